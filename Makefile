@@ -1,0 +1,42 @@
+# One-command entry points. `make demo` and `make test` each run `make setup` first,
+# so either works alone on a fresh clone with Python 3.11 and the package registries.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-stamp
+# The CPU wheel of torch; a newer or unpinned torch would pull a multi-GB CUDA build.
+# GPU users: see README.md ("Installing on GPU hosts").
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast test-slow bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m examples.demo
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+bench: setup
+	$(PY) -m benchmarks.run_all
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,47 @@
+"""Typed configuration of the worker-side recovery (the recipe's ``recovery`` section).
+
+See ``replication.config`` for the field-metadata conventions the validator reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RecoveryConfig:
+    """How failures are detected and how many in-process recoveries are allowed."""
+
+    enabled: bool = field(default=True, metadata={"help": "recover in-process on failure"})
+    max_restarts: int = field(
+        default=10, metadata={"help": "in-process recoveries allowed before giving up", "min": 0}
+    )
+    heartbeat_interval_s: float = field(
+        default=1.0, metadata={"help": "worker heartbeat period", "min": 0.05}
+    )
+    heartbeat_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "a worker silent this long is declared hung and killed", "min": 0.5},
+    )
+    collective_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "timeout of training collectives before a failure is assumed", "min": 1.0},
+    )
+    abort_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "how process groups are torn down: 'auto', 'gloo' (abandon) or 'nccl' (abort)",
+            "choices": ["auto", "gloo", "nccl"],
+        },
+    )
+    durable_fallback: bool = field(
+        default=True,
+        metadata={"help": "restart from the newest durable checkpoint when memory copies are lost"},
+    )
+    events_file: str = field(
+        default="", metadata={"help": "JSON-lines events file ('' : <run_dir>/events.jsonl)"}
+    )
+    fault: str = field(
+        default="",
+        metadata={"help": "fault injection 'rank:step:phase[:kind]' (tests and benchmarks)"},
+    )

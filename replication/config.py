@@ -1,0 +1,95 @@
+"""Typed configuration sections owned by the replication layer.
+
+The recipe loader in ``launcher.config`` composes these sections into the full
+``checkpointless:`` block and validates user input against them. They live here,
+not in the launcher, so that the lowest layer never imports a higher one.
+
+Field metadata conventions (read by the validator):
+``help`` (one line shown by ``config show --help``), ``choices`` (allowed values),
+``min`` / ``max`` (inclusive numeric bounds), ``nullable`` (``None`` allowed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ReplicationConfig:
+    """In-memory snapshots and their peer replicas."""
+
+    factor: int = field(
+        default=2,
+        metadata={"help": "copies of each rank's state, its own included", "min": 1, "max": 8},
+    )
+    every_n_steps: int = field(
+        default=1, metadata={"help": "snapshot (and replicate) every N steps", "min": 1}
+    )
+    placement: str = field(
+        default="ring",
+        metadata={
+            "help": "where replicas go: 'ring' (next nodes) or 'spread' (strided nodes)",
+            "choices": ["ring", "spread"],
+        },
+    )
+    device: str = field(
+        default="cpu",
+        metadata={
+            "help": "snapshot buffer location: 'cpu' (pinned when CUDA is present) or 'cuda'",
+            "choices": ["cpu", "cuda"],
+        },
+    )
+    dedupe: bool = field(
+        default=True,
+        metadata={"help": "skip sending state segments the holder already has (pure DP)"},
+    )
+    chunk_bytes: int = field(
+        default=8 << 20,
+        metadata={"help": "transfer chunk size for the pipelined peer copy", "min": 4096},
+    )
+    timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "timeout of one replication round on the side group", "min": 1.0},
+    )
+
+
+@dataclass
+class PersistenceConfig:
+    """The durable tier (fsspec). Disabled when ``path`` is empty."""
+
+    path: str = field(
+        default="", metadata={"help": "fsspec URL of durable checkpoints ('' disables)"}
+    )
+    every_n_steps: int = field(
+        default=0, metadata={"help": "persist every N committed steps (0: off)", "min": 0}
+    )
+    interval_s: float = field(
+        default=0.0, metadata={"help": "persist at most every S seconds (0: off)", "min": 0.0}
+    )
+    keep_last: int = field(
+        default=3, metadata={"help": "durable checkpoints kept by retention", "min": 1}
+    )
+    storage_options: dict = field(
+        default_factory=dict, metadata={"help": "options passed to fsspec.filesystem()"}
+    )
+
+
+@dataclass
+class MemoryConfig:
+    """Host memory budget for snapshots, replicas and staging buffers."""
+
+    host_budget_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "bytes this rank may use for snapshot buffers (0: a share of available RAM)",
+            "min": 0,
+        },
+    )
+    available_fraction: float = field(
+        default=0.8,
+        metadata={
+            "help": "share of psutil's available RAM, split across local ranks, when no budget",
+            "min": 0.01,
+            "max": 1.0,
+        },
+    )

@@ -1,0 +1,95 @@
+"""The host memory budget for snapshots, replicas and staging buffers.
+
+Snapshot buffers are allocated once and kept for the whole run, so an over-committed
+host would fail (or swap) only later, in the middle of training. We check up front,
+with psutil, and refuse to start with the numbers that did not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from replication.config import MemoryConfig
+
+# Extra optimizer state per parameter byte, for optimizers whose state is created
+# lazily at the first step (Adam's moments do not exist before step 1).
+_LAZY_STATE_FACTOR = {
+    "Adam": 2.0, "AdamW": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adamax": 2.0, "Adadelta": 2.0,
+    "SGD": 1.0, "Adagrad": 1.0, "RMSprop": 2.0, "ASGD": 2.0, "Rprop": 2.0,
+}
+
+
+class MemoryBudgetError(RuntimeError):
+    """The host cannot hold the snapshot, its replicas and staging within the budget."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The bytes one rank will pin down for in-memory recovery."""
+
+    state_bytes: int
+    factor: int
+    staging_bytes: int
+
+    @property
+    def own_bytes(self) -> int:
+        return 2 * self.state_bytes  # double-buffered local snapshot
+
+    @property
+    def replica_bytes(self) -> int:
+        return 2 * (self.factor - 1) * self.state_bytes  # double-buffered peer replicas
+
+    @property
+    def total_bytes(self) -> int:
+        return self.own_bytes + self.replica_bytes + self.staging_bytes
+
+
+def lazy_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer's state will grow to once its first step has run."""
+    if optimizer.state:
+        return 0
+    factor = _LAZY_STATE_FACTOR.get(type(optimizer).__name__, 2.0)
+    if type(optimizer).__name__ == "SGD" and not optimizer.defaults.get("momentum"):
+        factor = 0.0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return int(factor * sum(p.numel() * p.element_size() for p in params))
+
+
+def host_budget_bytes(config: MemoryConfig, local_world_size: int) -> int:
+    """The per-rank budget: explicit, or a share of the RAM available right now."""
+    if config.host_budget_bytes > 0:
+        return config.host_budget_bytes
+    available = psutil.virtual_memory().available
+    return int(available * config.available_fraction / max(1, local_world_size))
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def check_budget(plan: MemoryPlan, config: MemoryConfig, local_world_size: int) -> int:
+    """Raise :class:`MemoryBudgetError` if ``plan`` exceeds the budget; return the budget."""
+    budget = host_budget_bytes(config, local_world_size)
+    if plan.total_bytes > budget:
+        source = (
+            f"memory.host_budget_bytes={config.host_budget_bytes}"
+            if config.host_budget_bytes > 0
+            else f"{config.available_fraction:.0%} of available RAM "
+            f"({_fmt(psutil.virtual_memory().available)}) / {local_world_size} local ranks"
+        )
+        raise MemoryBudgetError(
+            "checkpointless cannot hold this rank's recovery state in host memory: needs "
+            f"{_fmt(plan.total_bytes)} = 2 x {_fmt(plan.state_bytes)} snapshot "
+            f"+ 2 x {plan.factor - 1} x {_fmt(plan.state_bytes)} replicas "
+            f"+ {_fmt(plan.staging_bytes)} staging, but the budget is {_fmt(budget)} "
+            f"({source}). Lower replication.factor, raise memory.host_budget_bytes, or "
+            "shard the state over more ranks."
+        )
+    return budget

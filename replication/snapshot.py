@@ -1,0 +1,248 @@
+"""Local in-memory snapshots: preallocated, reused, double-buffered.
+
+The training loop pays only for copying live tensors into a buffer that already
+exists (allocation is several times slower than the copy). Two slots alternate, so the
+newest committed snapshot stays intact while the next one is written; checksums are
+computed afterwards, off the training thread.
+
+On GPU hosts the copy is issued on a side CUDA stream into pinned host memory and the
+loop only waits for it before the next in-place update of the weights
+(:meth:`SnapshotEngine.before_mutation`). That path is behind ``device``/``pin_memory``
+switches and is untested on this CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from replication import checksum
+from replication.layout import FlatState, SnapshotLayout, flatten, tensor_views, unflatten_segment
+from replication.state import TrainingState
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot that is missing, incomplete or fails its checksum."""
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """Everything about a snapshot except its tensor bytes; small, JSON on the wire."""
+
+    step: int
+    layout: SnapshotLayout
+    skeletons: dict[str, bytes]
+    digests: dict[str, str]  # per segment, xxh3-128 of its bytes
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "step": self.step,
+                "layout": self.layout.to_json(),
+                "skeletons": {k: v.decode("utf-8") for k, v in self.skeletons.items()},
+                "digests": self.digests,
+            },
+            separators=(",", ":"),
+        ).encode("utf-8")
+
+    @staticmethod
+    def from_bytes(raw: bytes) -> SnapshotMeta:
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            return SnapshotMeta(
+                step=int(data["step"]),
+                layout=SnapshotLayout.from_json(data["layout"]),
+                skeletons={str(k): str(v).encode("utf-8") for k, v in data["skeletons"].items()},
+                digests={str(k): str(v) for k, v in data["digests"].items()},
+            )
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SnapshotError(f"malformed snapshot metadata: {exc!r}") from None
+
+
+@dataclass
+class SnapshotSlot:
+    """One of the two host buffers, with the step and metadata it currently holds."""
+
+    index: int
+    buffer: torch.Tensor | None = None
+    layout: SnapshotLayout | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+    step: int = -1
+    skeletons: dict[str, bytes] = field(default_factory=dict)
+    digests: dict[str, str] | None = None
+    copy_done: Any = None  # a torch.cuda.Event while an async device copy is in flight
+
+    @property
+    def empty(self) -> bool:
+        return self.step < 0
+
+    def segment_bytes(self, name: str) -> torch.Tensor:
+        assert self.buffer is not None and self.layout is not None
+        seg = self.layout.segment(name)
+        return self.buffer[seg.offset : seg.offset + seg.nbytes]
+
+    def meta(self) -> SnapshotMeta:
+        if self.digests is None or self.layout is None:
+            raise SnapshotError(f"snapshot of step {self.step} is not sealed yet")
+        return SnapshotMeta(self.step, self.layout, dict(self.skeletons), dict(self.digests))
+
+
+def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A byte buffer on the host, page-locked when a GPU will copy into it."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def compute_digests(buffer: torch.Tensor, layout: SnapshotLayout) -> dict[str, str]:
+    """Per-segment checksums of a host buffer."""
+    return {
+        s.name: checksum.digest(buffer[s.offset : s.offset + s.nbytes]) for s in layout.segments
+    }
+
+
+def verify_segments(buffer: torch.Tensor, meta: SnapshotMeta, names: list[str] | None = None) -> None:
+    """Raise :class:`checksum.ChecksumMismatch` naming the first corrupted segment."""
+    for seg in meta.layout.segments:
+        if names is not None and seg.name not in names:
+            continue
+        got = checksum.digest(buffer[seg.offset : seg.offset + seg.nbytes])
+        if got != meta.digests.get(seg.name):
+            raise checksum.ChecksumMismatch(
+                f"snapshot of step {meta.step}: segment {seg.name!r} checksum {got} "
+                f"!= recorded {meta.digests.get(seg.name)}"
+            )
+
+
+def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta) -> None:
+    """Verify ``buffer`` against ``meta`` and load it into the live objects."""
+    verify_segments(buffer, meta)
+    states = {
+        seg.name: unflatten_segment(
+            buffer[seg.offset : seg.offset + seg.nbytes], seg, meta.skeletons[seg.name]
+        )
+        for seg in meta.layout.segments
+    }
+    state.restore(states)
+
+
+class SnapshotEngine:
+    """Captures a :class:`TrainingState` into two reusable host buffers."""
+
+    def __init__(
+        self,
+        state: TrainingState,
+        *,
+        pin_memory: bool | None = None,
+        on_allocate: Any = None,
+    ) -> None:
+        """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
+        caller can check the memory budget with the real snapshot size."""
+        self.state = state
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._on_allocate = on_allocate
+        self.slots = [SnapshotSlot(0), SnapshotSlot(1)]
+        self._lock = threading.Lock()
+        self._protected_step = -1  # the committed step; its slot is never overwritten
+        self._stream = None
+        self.last_capture_s = 0.0
+
+    # -- capture ---------------------------------------------------------------------
+    def capture(self, step: int) -> SnapshotSlot:
+        """Copy the live state into a free slot. This is the training loop's stall."""
+        t0 = time.perf_counter()
+        flat = flatten(self.state.capture())
+        slot = self._free_slot()
+        if slot.layout != flat.layout:
+            self._allocate(slot, flat)
+        slot.step, slot.digests = -1, None  # invalid until fully written
+        self._copy(slot, flat)
+        slot.skeletons = flat.skeletons
+        slot.step = step
+        self.last_capture_s = time.perf_counter() - t0
+        return slot
+
+    def _free_slot(self) -> SnapshotSlot:
+        with self._lock:
+            for slot in sorted(self.slots, key=lambda s: s.step):
+                if slot.step != self._protected_step or slot.empty:
+                    return slot
+        raise SnapshotError("no free snapshot slot")  # pragma: no cover - two slots, one kept
+
+    def _allocate(self, slot: SnapshotSlot, flat: FlatState) -> None:
+        if self._on_allocate is not None:
+            self._on_allocate(flat.layout)
+        slot.buffer = None  # drop the old buffer before allocating the new one
+        slot.buffer = allocate_host(flat.nbytes, pin=self.pin_memory)
+        slot.layout = flat.layout
+        slot.views = tensor_views(slot.buffer, flat.layout)
+
+    def _copy(self, slot: SnapshotSlot, flat: FlatState) -> None:
+        on_device = [t for t in flat.tensors if t.device.type == "cuda"]
+        if not on_device:
+            torch._foreach_copy_(slot.views, flat.tensors)
+            return
+        # GPU path (untested here): enqueue device->pinned copies on a side stream.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for dst, src in zip(slot.views, flat.tensors):
+                dst.copy_(src, non_blocking=True)
+                if src.device.type == "cuda":
+                    src.record_stream(self._stream)
+            slot.copy_done = torch.cuda.Event()
+            slot.copy_done.record(self._stream)
+
+    def before_mutation(self) -> None:
+        """Make the compute stream wait for in-flight snapshot copies (GPU only).
+
+        Call before the optimizer updates weights in place; a no-op on CPU, where the
+        copy has already finished when :meth:`capture` returns.
+        """
+        for slot in self.slots:
+            if slot.copy_done is not None:
+                torch.cuda.current_stream().wait_event(slot.copy_done)
+
+    def seal(self, slot: SnapshotSlot) -> SnapshotMeta:
+        """Wait for the copy and compute per-segment checksums (off the training thread)."""
+        if slot.copy_done is not None:
+            slot.copy_done.synchronize()
+            slot.copy_done = None
+        assert slot.buffer is not None and slot.layout is not None
+        slot.digests = compute_digests(slot.buffer, slot.layout)
+        return slot.meta()
+
+    # -- commit bookkeeping ------------------------------------------------------------
+    def protect(self, step: int) -> None:
+        """Record that ``step`` is committed: its slot must survive the next capture."""
+        with self._lock:
+            self._protected_step = step
+
+    @property
+    def protected_step(self) -> int:
+        return self._protected_step
+
+    def slot_for(self, step: int) -> SnapshotSlot:
+        for slot in self.slots:
+            if slot.step == step and slot.digests is not None:
+                return slot
+        held = sorted(s.step for s in self.slots if not s.empty)
+        raise SnapshotError(f"no sealed local snapshot of step {step} (holding steps {held})")
+
+    def held_steps(self) -> list[int]:
+        return sorted(s.step for s in self.slots if not s.empty and s.digests is not None)
+
+    # -- restore -------------------------------------------------------------------
+    def restore(self, step: int) -> None:
+        """Roll the live objects back to the local snapshot of ``step``, verified."""
+        slot = self.slot_for(step)
+        assert slot.buffer is not None
+        restore_from_buffer(self.state, slot.buffer, slot.meta())
+
+    @property
+    def state_bytes(self) -> int:
+        return max((s.layout.nbytes for s in self.slots if s.layout is not None), default=0)

@@ -1,0 +1,140 @@
+"""The registry of everything that makes up a rank's training state.
+
+Users register named objects (model, optimizer, scheduler, grad scaler, data loader,
+any ``Stateful``); the registry captures their state dicts *by reference* (no copy:
+the snapshot engine copies tensors straight into its preallocated buffer) and
+restores them bit-exactly. RNG streams are an ordinary entry (:class:`RNGState`), so
+Python, NumPy, torch and CUDA generators roll back with the model.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict``/``load_state_dict`` (torch's own protocol)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+class RNGState:
+    """Python, NumPy, torch CPU and (when initialised) CUDA random generators.
+
+    Lightning and most loops do not save RNG state; without it a rolled-back rank
+    would draw different dropout masks or shuffles than the failure-free run.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if np is not None:
+            state["numpy"] = np.random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        random.setstate(state_dict["python"])
+        torch.set_rng_state(state_dict["torch"])
+        if np is not None and "numpy" in state_dict:
+            np.random.set_state(state_dict["numpy"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state_dict["cuda"])
+
+
+class StateRegistrationError(TypeError):
+    """An object that cannot be part of the training state (message says why)."""
+
+
+class TrainingState:
+    """Named, ordered collection of the objects whose state defines a training run."""
+
+    def __init__(self, *, rng: bool = True) -> None:
+        self._entries: dict[str, Stateful] = {}
+        if rng:
+            self.register("rng", RNGState())
+
+    def register(self, name: str, obj: Any) -> None:
+        """Add ``obj`` under ``name``; names are stable keys across ranks and restarts."""
+        if not name or "/" in name:
+            raise StateRegistrationError(f"state name {name!r} must be non-empty without '/'")
+        if name in self._entries:
+            raise StateRegistrationError(f"state name {name!r} is already registered")
+        if not isinstance(obj, Stateful):
+            raise StateRegistrationError(
+                f"state {name!r} ({type(obj).__qualname__}) has no state_dict/load_state_dict"
+            )
+        self._entries[name] = obj
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[tuple[str, Stateful]]:
+        return iter(self._entries.items())
+
+    def capture(self) -> dict[str, Any]:
+        """State dicts of every entry, sharing storage with the live tensors."""
+        return {name: obj.state_dict() for name, obj in self._entries.items()}
+
+    def restore(self, states: Mapping[str, Any]) -> None:
+        """Load ``states`` into the live objects, bit-exactly.
+
+        Tensors in ``states`` may alias a snapshot buffer that is later overwritten,
+        so modules copy them in place into their parameters and every other object
+        receives private clones.
+        """
+        missing = [n for n in self._entries if n not in states]
+        if missing:
+            raise KeyError(f"snapshot has no state for registered entries {missing}")
+        for name, obj in self._entries.items():
+            if isinstance(obj, torch.nn.Module):
+                _restore_module(obj, states[name])
+            else:
+                obj.load_state_dict(clone_tensors(states[name]))
+
+
+def clone_tensors(tree: Any) -> Any:
+    """Deep-copy the containers of ``tree`` and clone its tensors."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: clone_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [clone_tensors(v) for v in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(clone_tensors(v) for v in tree)
+    return tree
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of ``t``: the shard of a DTensor, or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+@torch.no_grad()
+def _restore_module(module: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    live = module.state_dict()
+    if set(live) != set(state):
+        extra, lost = sorted(set(state) - set(live)), sorted(set(live) - set(state))
+        raise KeyError(f"module state keys differ: unexpected {extra[:5]}, missing {lost[:5]}")
+    if not all(isinstance(v, torch.Tensor) for v in live.values()):
+        module.load_state_dict(clone_tensors(dict(state)))
+        return
+    for key, dst in live.items():
+        local_tensor(dst).copy_(state[key])
