@@ -94,7 +94,8 @@ class SnapshotSlot:
 
 def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
     """A byte buffer on the host, page-locked when a GPU will copy into it."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    # Zeroed once, so alignment padding is deterministic and equal states hash equal.
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 def compute_digests(buffer: torch.Tensor, layout: SnapshotLayout) -> dict[str, str]:

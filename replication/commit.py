@@ -1,0 +1,80 @@
+"""The commit protocol: a step counts only once every copy of it exists.
+
+Each rank acknowledges step ``s`` after it holds its own sealed snapshot of ``s`` and
+has received and verified every replica it is meant to hold for ``s``. The rank whose
+acknowledgement completes the count records ``s`` as the committed step in the
+rendezvous store. Ranks process steps in order on one thread and wait for the count to
+complete before starting the next round, so the recorded step only ever grows, and it
+never runs ahead of what every copy holds: a rank that is slow or dies mid-round simply
+leaves the count short.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+COMMITTED_KEY = "checkpointless/committed_step"
+
+
+class CommitTimeout(RuntimeError):
+    """Not every rank acknowledged a step in time (a peer is slow or dead)."""
+
+
+def committed_step(store: dist.Store, key: str = COMMITTED_KEY) -> int:
+    """The newest committed step recorded in ``store``, or -1 if none is."""
+    if not store.check([key]):
+        return -1
+    return int(store.get(key).decode())
+
+
+class CommitLedger:
+    """Acknowledgements of one generation of ranks, counted in the store."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        world_size: int,
+        *,
+        ack_prefix: str = "checkpointless/acks",
+        committed_key: str = COMMITTED_KEY,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.store = store
+        self.world_size = world_size
+        self.ack_prefix = ack_prefix
+        self.committed_key = committed_key
+        self.timeout_s = timeout_s
+
+    def ack(self, step: int) -> bool:
+        """Acknowledge ``step``; returns True if this call completed the commit."""
+        count = self.store.add(f"{self.ack_prefix}/{step}", 1)
+        if count == self.world_size:
+            self.store.set(self.committed_key, str(step))
+            self.store.set(f"{self.ack_prefix}/{step}/done", b"1")
+            return True
+        return False
+
+    def wait_committed(self, step: int, timeout_s: float | None = None) -> None:
+        """Block until every rank has acknowledged ``step``."""
+        timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
+        try:
+            self.store.wait([f"{self.ack_prefix}/{step}/done"], timeout)
+        except Exception as exc:
+            have = self.store.add(f"{self.ack_prefix}/{step}", 0)
+            raise CommitTimeout(
+                f"step {step} was acknowledged by {have}/{self.world_size} ranks within "
+                f"{timeout.total_seconds():.0f}s; it stays uncommitted"
+            ) from exc
+
+    def committed_step(self) -> int:
+        return committed_step(self.store, self.committed_key)
+
+    def forget(self, step: int) -> None:
+        """Delete the counters of an old step so the store does not grow without bound."""
+        for key in (f"{self.ack_prefix}/{step}", f"{self.ack_prefix}/{step}/done"):
+            try:
+                self.store.delete_key(key)
+            except Exception:
+                pass

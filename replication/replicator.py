@@ -1,0 +1,281 @@
+"""Snapshot, replicate, commit: the per-step pipeline, run off the training thread.
+
+``Replicator.snapshot(step)`` is all the training loop calls. It copies the live state
+into a free local buffer (the only part the loop waits for) and hands the rest of the
+round to a background thread:
+
+1. seal: per-segment checksums of the new snapshot;
+2. announce: an all-gather on the side group of (step, metadata size, segment
+   fingerprints), so every rank knows what every peer holds;
+3. transfer: each rank sends its metadata and the segments its holders do not already
+   hold (pure data parallelism sends almost nothing), chunked and pipelined, and
+   receives the replicas it is meant to hold, verifying their checksums;
+4. commit: acknowledge the step in the store and wait until every rank has, then mark
+   the step committed locally so its buffers survive the next capture.
+
+The next ``snapshot`` waits for the previous round, which bounds memory to two buffers
+per copy. An error in a round (a dead peer, a timeout, a bad checksum) leaves the step
+uncommitted and is raised in the training thread at the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from replication.checksum import ChecksumMismatch
+from replication.commit import CommitLedger
+from replication.config import MemoryConfig, ReplicationConfig
+from replication.layout import SnapshotLayout
+from replication.memory import MemoryPlan, check_budget, lazy_optimizer_bytes
+from replication.placement import place_replicas, sources_of
+from replication.replicas import ReplicaStore
+from replication.snapshot import SnapshotEngine, SnapshotMeta, SnapshotSlot, verify_segments
+from replication.state import TrainingState
+from replication.transport import SideChannel, TransportError
+
+log = logging.getLogger("checkpointless.replication")
+
+MAX_SEGMENTS = 64
+_ANN_HEADER = 3  # step, metadata bytes, segment count
+_META_TAG = 1 << 30
+
+
+class ReplicationError(RuntimeError):
+    """A replication round failed; the step it was for is not committed."""
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """What one round did, for logs, events and benchmarks."""
+
+    step: int
+    seal_s: float
+    transfer_s: float
+    commit_s: float
+    bytes_sent: int
+    bytes_received: int
+    segments_skipped: int
+
+
+def _fingerprint(meta: SnapshotMeta, i: int) -> int:
+    """A 63-bit id of segment ``i``'s name, layout and contents."""
+    seg = meta.layout.segments[i]
+    h = xxhash.xxh64()
+    h.update(seg.name.encode())
+    h.update(repr(seg.tensors).encode())
+    h.update(meta.digests[seg.name].encode())
+    return h.intdigest() & ((1 << 63) - 1)
+
+
+def _segment_tag(i: int) -> int:
+    return (i + 1) << 20
+
+
+class Replicator:
+    """Keeps a rank's training state in memory locally and on ``factor-1`` peer nodes."""
+
+    def __init__(
+        self,
+        state: TrainingState,
+        *,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        node: int,
+        local_world_size: int = 1,
+        config: ReplicationConfig | None = None,
+        memory: MemoryConfig | None = None,
+        prefix: str = "checkpointless",
+        hostname: str | None = None,
+    ) -> None:
+        self.config = config or ReplicationConfig()
+        self.memory = memory or MemoryConfig()
+        self.state = state
+        self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        pin = self.config.device == "cpu" and torch.cuda.is_available()
+        self.engine = SnapshotEngine(state, pin_memory=pin, on_allocate=self._check_layout_budget)
+        self.replicas = ReplicaStore(pin_memory=pin)
+        self.channel = SideChannel(
+            store, rank, world_size, prefix=f"{prefix}/side",
+            timeout_s=self.config.timeout_s, hostname=hostname,
+        )
+        self.ledger = CommitLedger(
+            store, world_size, ack_prefix=f"{prefix}/acks",
+            committed_key=f"{prefix}/committed_step", timeout_s=self.config.timeout_s,
+        )
+        nodes = self.channel.allgather(torch.tensor([node], dtype=torch.int64))
+        self.node_of_rank = [int(t.item()) for t in nodes]
+        self.holders = place_replicas(self.node_of_rank, self.config.factor, self.config.placement)
+        self.sources = sources_of(self.holders)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointless-replicate")
+        self._inflight: Future | None = None
+        self.last_round: RoundStats | None = None
+        self.check_budget()
+
+    # -- memory ----------------------------------------------------------------------
+    def plan(self, state_bytes: int) -> MemoryPlan:
+        staging = 2 * self.config.chunk_bytes if self.config.device == "cuda" else 0
+        return MemoryPlan(state_bytes, self.config.factor, staging)
+
+    def check_budget(self) -> MemoryPlan:
+        """Check the budget against the state's size now plus lazily created optimizer state."""
+        from replication.layout import flatten
+
+        size = flatten(self.state.capture()).nbytes
+        size += sum(
+            lazy_optimizer_bytes(obj) for _, obj in self.state if isinstance(obj, torch.optim.Optimizer)
+        )
+        plan = self.plan(size)
+        check_budget(plan, self.memory, self.local_world_size)
+        return plan
+
+    def _check_layout_budget(self, layout: SnapshotLayout) -> None:
+        check_budget(self.plan(layout.nbytes), self.memory, self.local_world_size)
+
+    # -- training-loop API -----------------------------------------------------------
+    def snapshot(self, step: int) -> float:
+        """Capture ``step`` and start replicating it; returns the seconds the loop stalled."""
+        t0 = time.perf_counter()
+        self.wait()
+        slot = self.engine.capture(step)
+        self._inflight = self._executor.submit(self._round, slot)
+        return time.perf_counter() - t0
+
+    def maybe_snapshot(self, step: int) -> float | None:
+        """:meth:`snapshot` on every ``replication.every_n_steps``-th step."""
+        if step % self.config.every_n_steps:
+            return None
+        return self.snapshot(step)
+
+    def wait(self) -> RoundStats | None:
+        """Block until the in-flight round is committed; re-raise its failure."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        try:
+            self.last_round = fut.result()
+        except (TransportError, ChecksumMismatch, RuntimeError) as exc:
+            raise ReplicationError(str(exc)) from exc
+        return self.last_round
+
+    def committed_step(self) -> int:
+        """The newest step every copy holds (from the store)."""
+        return self.ledger.committed_step()
+
+    def restore_local(self, step: int) -> None:
+        """Roll this rank back to its own snapshot of ``step``."""
+        self.engine.restore(step)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self.channel.close()
+
+    # -- the background round --------------------------------------------------------
+    def _round(self, slot: SnapshotSlot) -> RoundStats:
+        t0 = time.perf_counter()
+        meta = self.engine.seal(slot)
+        t_sealed = time.perf_counter()
+        sent, received, skipped = self._exchange(meta, slot)
+        t_moved = time.perf_counter()
+        self.ledger.ack(meta.step)
+        self.ledger.wait_committed(meta.step)
+        self.engine.protect(meta.step)
+        self.replicas.protect(meta.step)
+        if self.rank == 0 and meta.step > 0:
+            self.ledger.forget(meta.step - 2 * self.config.every_n_steps)
+        return RoundStats(
+            meta.step, t_sealed - t0, t_moved - t_sealed, time.perf_counter() - t_moved,
+            sent, received, skipped,
+        )
+
+    def _announce(self, meta: SnapshotMeta, meta_len: int) -> list[tuple[int, int, set[int]]]:
+        n = len(meta.layout.segments)
+        if n > MAX_SEGMENTS:
+            raise ReplicationError(f"{n} state entries; at most {MAX_SEGMENTS} are supported")
+        ann = torch.zeros(_ANN_HEADER + MAX_SEGMENTS, dtype=torch.int64)
+        ann[0], ann[1], ann[2] = meta.step, meta_len, n
+        for i in range(n):
+            ann[_ANN_HEADER + i] = _fingerprint(meta, i)
+        peers = []
+        for t in self.channel.allgather(ann):
+            vals = t.tolist()
+            count = vals[2]
+            peers.append((vals[0], vals[1], set(vals[_ANN_HEADER : _ANN_HEADER + count])))
+        steps = {p[0] for p in peers}
+        if steps != {meta.step}:
+            raise ReplicationError(f"ranks disagree on the step being replicated: {sorted(steps)}")
+        return peers
+
+    def _exchange(self, meta: SnapshotMeta, slot: SnapshotSlot) -> tuple[int, int, int]:
+        meta_bytes = meta.to_bytes()
+        peers = self._announce(meta, len(meta_bytes))
+        if self.config.factor == 1:
+            return 0, 0, 0
+        chunk = self.config.chunk_bytes
+        meta_t = torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8)
+        my_fps = peers[self.rank][2]
+        sends: list = []
+        sent = skipped = 0
+        for h in self.holders[self.rank]:
+            sends += self.channel.post_send(meta_t, h, _META_TAG, len(meta_bytes))
+            for i, seg in enumerate(meta.layout.segments):
+                if self.config.dedupe and _fingerprint(meta, i) in peers[h][2]:
+                    skipped += 1
+                    continue
+                sends += self.channel.post_send(slot.segment_bytes(seg.name), h, _segment_tag(i), chunk)
+                sent += seg.nbytes
+        received = 0
+        for src in self.sources[self.rank]:
+            received += self._receive_replica(src, peers[src][1], my_fps)
+        self.channel.wait(sends, "send")
+        return sent, received, skipped
+
+    def _receive_replica(self, src: int, meta_len: int, my_fps: set[int]) -> int:
+        meta_buf = torch.empty(meta_len, dtype=torch.uint8)
+        self.channel.wait(self.channel.post_recv(meta_buf, src, _META_TAG, meta_len), "metadata")
+        meta = SnapshotMeta.from_bytes(meta_buf.numpy().tobytes())
+        rslot = self.replicas.writable(src, meta.layout.nbytes)
+        assert rslot.buffer is not None
+        works: list = []
+        shared: set[str] = set()
+        received = 0
+        for i, seg in enumerate(meta.layout.segments):
+            if self.config.dedupe and _fingerprint(meta, i) in my_fps:
+                shared.add(seg.name)
+                continue
+            buf = rslot.buffer[seg.offset : seg.offset + seg.nbytes]
+            works += self.channel.post_recv(buf, src, _segment_tag(i), self.config.chunk_bytes)
+            received += seg.nbytes
+        self.channel.wait(works, f"replica of rank {src}")
+        moved = [s.name for s in meta.layout.segments if s.name not in shared]
+        verify_segments(rslot.buffer, meta, moved)
+        rslot.meta, rslot.shared, rslot.step = meta, frozenset(shared), meta.step
+        return received
+
+    # -- reading replicas ------------------------------------------------------------
+    def replica_buffer(self, src: int, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
+        """The full snapshot bytes of ``src`` at ``step`` as held here, verified.
+
+        Shared segments come from this rank's own snapshot of the same step. The result
+        is a fresh buffer, so it stays valid while later rounds reuse the slots.
+        """
+        rslot = self.replicas.get(src, step)
+        assert rslot.meta is not None and rslot.buffer is not None
+        out = rslot.buffer.clone()
+        if rslot.shared:
+            own = self.engine.slot_for(step)
+            for name in rslot.shared:
+                seg = rslot.meta.layout.segment(name)
+                out[seg.offset : seg.offset + seg.nbytes].copy_(own.segment_bytes(name))
+        verify_segments(out, rslot.meta)
+        return rslot.meta, out

@@ -1,0 +1,88 @@
+"""Peer transport: a dedicated gloo process group for snapshot traffic.
+
+Replication never shares the training process group, so its traffic cannot reorder or
+block the training collectives, and it can be torn down and rebuilt on its own. A
+buffer moves as fixed-size chunks that are all posted at once (each with its own tag),
+so gloo streams them back to back instead of one blocking send per tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class TransportError(RuntimeError):
+    """A peer transfer failed or timed out (usually: the peer died)."""
+
+
+def _chunks(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
+    n = buf.numel()
+    return [buf[i : i + chunk_bytes] for i in range(0, n, chunk_bytes)] or [buf]
+
+
+class SideChannel:
+    """A gloo process group on its own store prefix, used only for replication."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        prefix: str = "checkpointless/side",
+        timeout_s: float = 120.0,
+        hostname: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        pstore = dist.PrefixStore(prefix, store)
+        if hostname:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+            self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of a same-shaped tensor."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._wait([self.pg.allgather([out], [tensor])], "allgather")
+        return out
+
+    def barrier(self) -> None:
+        self._wait([self.pg.barrier()], "barrier")
+
+    def post_send(self, buf: torch.Tensor, dst: int, tag: int, chunk_bytes: int) -> list:
+        """Post the chunked send of a contiguous byte buffer; returns the works."""
+        return [
+            self.pg.send([c], dst, tag + i) for i, c in enumerate(_chunks(buf, chunk_bytes))
+        ]
+
+    def post_recv(self, buf: torch.Tensor, src: int, tag: int, chunk_bytes: int) -> list:
+        """Post the chunked receive into a contiguous byte buffer; returns the works."""
+        return [
+            self.pg.recv([c], src, tag + i) for i, c in enumerate(_chunks(buf, chunk_bytes))
+        ]
+
+    def wait(self, works: Sequence, what: str = "transfer") -> None:
+        self._wait(works, what)
+
+    def _wait(self, works: Sequence, what: str) -> None:
+        try:
+            for w in works:
+                w.wait(self.timeout)
+        except Exception as exc:  # gloo raises RuntimeError/DistBackendError subclasses
+            raise TransportError(f"replication {what} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Drop the group. Gloo cannot abort in-flight ops; dropping is all we can do."""
+        try:
+            self.pg.shutdown()
+        except Exception:
+            pass
