@@ -134,11 +134,13 @@ def flatten(states: dict[str, Any]) -> FlatState:
         specs: list[TensorSpec] = []
         cursor = 0
 
-        def on_tensor(t: torch.Tensor, path: str, _specs: list = specs) -> int:
+        def on_tensor(
+            t: torch.Tensor, path: str, _specs: list = specs, _name: str = name
+        ) -> int:
             nonlocal cursor
             t = local_tensor(t.detach())
             if t.is_sparse or t.is_quantized:
-                raise codec.CodecError(f"{name}{path}: sparse/quantized tensors are not supported")
+                raise codec.CodecError(f"{_name}{path}: sparse/quantized tensors are not supported")
             nbytes = t.numel() * t.element_size()
             _specs.append(TensorSpec(codec.dtype_name(t.dtype), tuple(t.shape), cursor, nbytes))
             all_tensors.append(t)

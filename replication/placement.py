@@ -51,10 +51,7 @@ def place_replicas(
         chosen: list[int] = []
         used_nodes = {node}
         for j in range(1, factor):
-            if policy == "ring":
-                step = j
-            else:
-                step = max(1, (j * n_nodes) // factor)
+            step = j if policy == "ring" else max(1, j * n_nodes // factor)
             target_pos = (pos + step) % n_nodes
             while order[target_pos] in used_nodes:  # spread may collide on small rings
                 target_pos = (target_pos + 1) % n_nodes

@@ -68,7 +68,10 @@ class ReplicaStore:
 
     def nbytes(self) -> int:
         return sum(
-            s.buffer.numel() for slots in self._slots.values() for s in slots if s.buffer is not None
+            s.buffer.numel()
+            for slots in self._slots.values()
+            for s in slots
+            if s.buffer is not None
         )
 
     def drop(self, src: int) -> None:

@@ -130,7 +130,9 @@ class Replicator:
 
         size = flatten(self.state.capture()).nbytes
         size += sum(
-            lazy_optimizer_bytes(obj) for _, obj in self.state if isinstance(obj, torch.optim.Optimizer)
+            lazy_optimizer_bytes(obj)
+            for _, obj in self.state
+            if isinstance(obj, torch.optim.Optimizer)
         )
         plan = self.plan(size)
         check_budget(plan, self.memory, self.local_world_size)
@@ -232,7 +234,8 @@ class Replicator:
                 if self.config.dedupe and _fingerprint(meta, i) in peers[h][2]:
                     skipped += 1
                     continue
-                sends += self.channel.post_send(slot.segment_bytes(seg.name), h, _segment_tag(i), chunk)
+                seg_bytes = slot.segment_bytes(seg.name)
+                sends += self.channel.post_send(seg_bytes, h, _segment_tag(i), chunk)
                 sent += seg.nbytes
         received = 0
         for src in self.sources[self.rank]:

@@ -105,7 +105,9 @@ def compute_digests(buffer: torch.Tensor, layout: SnapshotLayout) -> dict[str, s
     }
 
 
-def verify_segments(buffer: torch.Tensor, meta: SnapshotMeta, names: list[str] | None = None) -> None:
+def verify_segments(
+    buffer: torch.Tensor, meta: SnapshotMeta, names: list[str] | None = None
+) -> None:
     """Raise :class:`checksum.ChecksumMismatch` naming the first corrupted segment."""
     for seg in meta.layout.segments:
         if names is not None and seg.name not in names:
