@@ -22,6 +22,20 @@ def digest(t: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
 
 
+class Hasher:
+    """Streaming digest over consecutive byte ranges; equal to :func:`digest` of the whole."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+
+    def update(self, t: torch.Tensor) -> None:
+        if t.numel():
+            self._h.update(tensor_bytes(t))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def digest_bytes(raw: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(raw)
 

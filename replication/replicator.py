@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from replication.checksum import ChecksumMismatch
+from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.layout import SnapshotLayout
@@ -249,7 +249,7 @@ class Replicator:
         meta = SnapshotMeta.from_bytes(meta_buf.numpy().tobytes())
         rslot = self.replicas.writable(src, meta.layout.nbytes)
         assert rslot.buffer is not None
-        works: list = []
+        pending: list[tuple[str, list]] = []
         shared: set[str] = set()
         received = 0
         for i, seg in enumerate(meta.layout.segments):
@@ -257,11 +257,22 @@ class Replicator:
                 shared.add(seg.name)
                 continue
             buf = rslot.buffer[seg.offset : seg.offset + seg.nbytes]
-            works += self.channel.post_recv(buf, src, _segment_tag(i), self.config.chunk_bytes)
+            chunks = self.channel.post_recv_chunks(
+                buf, src, _segment_tag(i), self.config.chunk_bytes
+            )
+            pending.append((seg.name, chunks))
             received += seg.nbytes
-        self.channel.wait(works, f"replica of rank {src}")
-        moved = [s.name for s in meta.layout.segments if s.name not in shared]
-        verify_segments(rslot.buffer, meta, moved)
+        # Verify each chunk as soon as it lands, overlapping hashing with the transfer.
+        for name, chunks in pending:
+            hasher = Hasher()
+            for work, chunk in chunks:
+                self.channel.wait([work], f"replica of rank {src}")
+                hasher.update(chunk)
+            if hasher.hexdigest() != meta.digests.get(name):
+                raise ChecksumMismatch(
+                    f"replica of rank {src} at step {meta.step}: segment {name!r} arrived "
+                    f"with checksum {hasher.hexdigest()}, sender recorded {meta.digests.get(name)}"
+                )
         rslot.meta, rslot.shared, rslot.step = meta, frozenset(shared), meta.step
         return received
 

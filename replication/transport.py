@@ -66,8 +66,16 @@ class SideChannel:
 
     def post_recv(self, buf: torch.Tensor, src: int, tag: int, chunk_bytes: int) -> list:
         """Post the chunked receive into a contiguous byte buffer; returns the works."""
+        return [w for w, _ in self.post_recv_chunks(buf, src, tag, chunk_bytes)]
+
+    def post_recv_chunks(
+        self, buf: torch.Tensor, src: int, tag: int, chunk_bytes: int
+    ) -> list[tuple[object, torch.Tensor]]:
+        """Like :meth:`post_recv`, pairing each work with its chunk, so a caller can
+        process (e.g. checksum) chunks in order while later ones are still arriving."""
         return [
-            self.pg.recv([c], src, tag + i) for i, c in enumerate(_chunks(buf, chunk_bytes))
+            (self.pg.recv([c], src, tag + i), c)
+            for i, c in enumerate(_chunks(buf, chunk_bytes))
         ]
 
     def wait(self, works: Sequence, what: str = "transfer") -> None:

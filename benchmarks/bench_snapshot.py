@@ -1,0 +1,261 @@
+"""Snapshot and replication cost, side by side with the alternatives, in one run.
+
+Two processes (one per simulated node, one torch thread each on this 2-core host)
+hold a model whose training state (fp32 weights plus Adam's two moments) is a few
+hundred MB. Every figure is measured in the same run on the same bytes:
+
+- ``stall_s``: the training loop's blocking time for one snapshot (the copy into the
+  reused buffer; checksums and replication run in the background);
+- ``memcpy_s``: one flat copy of the same number of bytes into preallocated memory;
+- ``torch_save_s``: a synchronous ``torch.save`` of the same state plus fsync;
+- ``dcp_async_block_s``: how long ``torch.distributed.checkpoint.async_save`` blocks;
+- ``replication_s`` / ``raw_send_s``: a replication round (announce, pipelined chunks,
+  verification on receipt, commit) against one plain gloo send of the same bytes in
+  each direction;
+- ``train_step_overhead``: the fractional slowdown of training with a snapshot every
+  step, measured in interleaved blocks to cancel drift; ``overhead_over_copy_cost`` is
+  the added time per step divided by ``memcpy_s``.
+
+Usage: ``python -m benchmarks.bench_snapshot [--quick]``; the last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._harness import emit, median, progress, run_ranks
+from replication.config import MemoryConfig, ReplicationConfig
+from replication.replicator import Replicator
+from replication.state import TrainingState
+
+
+def build(width: int, layers: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*mods)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=False)
+    model(batch).pow(2).mean().backward()
+    opt.step()
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    rank, world = args.rank, args.world_size
+    store = dist.TCPStore("127.0.0.1", args.port, world, rank == 0, wait_for_workers=False)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    model, opt = build(args.width, args.layers, seed=rank)  # distinct states: no dedupe
+    batch = torch.randn(args.batch, args.width)
+    train_step(model, opt, batch)  # materialise Adam's moments
+    state = TrainingState()
+    state.register("model", model)
+    state.register("optim", opt)
+    say = progress if rank == 0 else (lambda _m: None)
+
+    # -- local snapshot stall vs memcpy (interleaved) -------------------------------
+    local = Replicator(
+        state, store=store, rank=rank, world_size=world, node=rank,
+        config=ReplicationConfig(factor=1), memory=MemoryConfig(), prefix="bench/local",
+    )
+    for warm in (-2, -1):  # allocate and touch both slots before timing anything
+        local.snapshot(warm)
+        local.wait()
+    nbytes = local.engine.state_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    say(f"state {nbytes / 2**20:.0f} MiB per rank; measuring stall vs memcpy")
+    stalls, copies = [], []
+    for i in range(args.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
+        dist.barrier()
+        stalls.append(local.snapshot(i + 1))
+        local.wait()
+    local.wait()
+    say("stalls " + " ".join(f"{x:.4f}" for x in stalls))
+    say("copies " + " ".join(f"{x:.4f}" for x in copies))
+    del src, dst
+
+    # -- synchronous torch.save + fsync ---------------------------------------------
+    say("torch.save + fsync")
+    saves = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        path = Path(tmp) / f"rank{rank}.pt"
+        for _ in range(args.save_reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            saves.append(time.perf_counter() - t0)
+            path.unlink()
+
+    # -- DCP async_save blocking time ----------------------------------------------------
+    say("torch.distributed.checkpoint.async_save")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    dcp_blocks = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        for i in range(args.save_reps):
+            msd, osd = get_state_dict(model, opt)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/c{i}")
+            dcp_blocks.append(time.perf_counter() - t0)
+            fut.result()
+    local.close()
+
+    # -- replication round vs a raw gloo exchange of the same bytes -----------------------
+    say("replication round vs raw gloo send")
+    rep = Replicator(
+        state, store=store, rank=rank, world_size=world, node=rank,
+        config=ReplicationConfig(factor=2, dedupe=False), memory=MemoryConfig(),
+        prefix="bench/rep",
+    )
+    for warm in (-2, -1):
+        rep.snapshot(warm)
+        rep.wait()
+    peer = 1 - rank
+    out_buf = torch.empty(nbytes, dtype=torch.uint8).random_()
+    in_buf = torch.empty_like(out_buf)
+    rounds, raws = [], []
+    for i in range(args.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.isend(out_buf, peer), dist.irecv(in_buf, peer)]
+        for w in works:
+            w.wait()
+        raws.append(time.perf_counter() - t0)
+        dist.barrier()
+        rep.snapshot(i + 1)
+        stats = rep.wait()
+        assert stats is not None and stats.bytes_received > 0
+        rounds.append(stats.transfer_s + stats.commit_s)
+    del out_buf, in_buf
+
+    # -- training throughput with and without a snapshot every step ---------------------
+    say("training with vs without a snapshot every step (interleaved blocks)")
+    results: dict[str, list[float]] = {}
+    for kind, factor in (("local", 1), ("replicated", 2)):
+        r = rep if factor == 2 else Replicator(
+            state, store=store, rank=rank, world_size=world, node=rank,
+            config=ReplicationConfig(factor=1), memory=MemoryConfig(), prefix="bench/train",
+        )
+        step = 10_000 * factor
+        for _ in range(2):  # both slots allocated before the timed blocks
+            step += 1
+            r.snapshot(step)
+            r.wait()
+        none_t, snap_t = [], []
+        for block in range(args.blocks * 2):
+            with_snap = block % 2 == 1
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.block_steps):
+                train_step(model, opt, batch)
+                if with_snap:
+                    step += 1
+                    r.snapshot(step)
+            r.wait()
+            (snap_t if with_snap else none_t).append(
+                (time.perf_counter() - t0) / args.block_steps
+            )
+        results[kind] = [median(none_t), median(snap_t)]
+        if r is not rep:
+            r.close()
+    rep.close()
+
+    if rank == 0:
+        none_s, snap_s = results["local"]
+        rnone_s, rsnap_s = results["replicated"]
+        out = {
+            "state_bytes": nbytes,
+            "stall_s": median(stalls),
+            "memcpy_s": median(copies),
+            "torch_save_s": median(saves),
+            "dcp_async_block_s": median(dcp_blocks),
+            "replication_s": median(rounds),
+            "raw_send_s": median(raws),
+            "step_s_no_snapshot": none_s,
+            "step_s_with_snapshot": snap_s,
+            "step_s_replicated_no_snapshot": rnone_s,
+            "step_s_replicated": rsnap_s,
+        }
+        Path(args.out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller state, fewer repetitions")
+    ap.add_argument("--rank", type=int, default=-1)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--tmp", default=None, help="directory for torch.save/DCP files")
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=0)
+    ap.add_argument("--save-reps", type=int, default=0)
+    ap.add_argument("--blocks", type=int, default=0)
+    ap.add_argument("--block-steps", type=int, default=0)
+    args = ap.parse_args()
+    q = args.quick
+    args.layers = args.layers or (4 if q else 8)
+    args.reps = args.reps or (15 if q else 31)
+    args.save_reps = args.save_reps or (2 if q else 4)
+    args.blocks = args.blocks or (4 if q else 10)
+    args.block_steps = args.block_steps or (3 if q else 5)
+    if args.rank >= 0:
+        rank_main(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        fwd = [a for a in os.sys.argv[1:]]
+        progress(f"bench_snapshot: 2 ranks, {args.layers} x {args.width}^2 fp32 + Adam")
+        t0 = time.perf_counter()
+        run_ranks("benchmarks.bench_snapshot", args.world_size, [*fwd, "--out", str(out)])
+        r = json.loads(out.read_text())
+    added = r["step_s_with_snapshot"] - r["step_s_no_snapshot"]
+    r.update(
+        quick=q,
+        wall_s=round(time.perf_counter() - t0, 1),
+        stall_over_memcpy=r["stall_s"] / r["memcpy_s"],
+        torch_save_over_stall=r["torch_save_s"] / r["stall_s"],
+        dcp_async_block_over_stall=r["dcp_async_block_s"] / r["stall_s"],
+        replication_over_raw_send=r["replication_s"] / r["raw_send_s"],
+        train_step_overhead=added / r["step_s_no_snapshot"],
+        overhead_over_copy_cost=added / r["memcpy_s"],
+        train_step_overhead_replicated=(
+            (r["step_s_replicated"] - r["step_s_replicated_no_snapshot"])
+            / r["step_s_replicated_no_snapshot"]
+        ),
+    )
+    emit({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The ``checkpointless`` command line: parse, dispatch to a subcommand, report errors.
+
+Bad input (a recipe, an override, an env var) must read like a compiler error, never
+like a crash: every :class:`ConfigError` becomes ``checkpointless: error: ...`` on
+stderr with exit status 2, the same status argparse uses for usage errors. A real
+bug still shows its traceback, because hiding it would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from launcher.commands import load_commands
+from launcher.config import ConfigError
+
+PROG = "checkpointless"
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Keep PyTorch training alive through rank and node failures.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in load_commands():
+        module.register(subparsers)
+    return parser
+
+
+def error(message: str) -> int:
+    """Print ``message`` the way argparse prints usage errors; return the exit status."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2): return, do not exit
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    try:
+        return int(args.handler(args))
+    except ConfigError as exc:
+        return error(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
