@@ -25,7 +25,10 @@ class RecoveryConfig:
     )
     collective_timeout_s: float = field(
         default=60.0,
-        metadata={"help": "timeout of training collectives before a failure is assumed", "min": 1.0},
+        metadata={
+            "help": "timeout of training collectives before a failure is assumed",
+            "min": 1.0,
+        },
     )
     abort_backend: str = field(
         default="auto",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -93,22 +94,34 @@ class Replicator:
         config: ReplicationConfig | None = None,
         memory: MemoryConfig | None = None,
         prefix: str = "checkpointless",
+        committed_key: str | None = None,
         hostname: str | None = None,
+        engine: SnapshotEngine | None = None,
+        replicas: ReplicaStore | None = None,
+        fault_hook: Callable[[str, int], None] | None = None,
     ) -> None:
+        """``engine``/``replicas`` carry snapshots over from a previous generation's
+        replicator; ``fault_hook(phase, step)`` is called at the ``snapshot`` and
+        ``replication`` phases so tests can inject failures there."""
         self.config = config or ReplicationConfig()
         self.memory = memory or MemoryConfig()
         self.state = state
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         pin = self.config.device == "cpu" and torch.cuda.is_available()
-        self.engine = SnapshotEngine(state, pin_memory=pin, on_allocate=self._check_layout_budget)
-        self.replicas = ReplicaStore(pin_memory=pin)
+        self.engine = engine or SnapshotEngine(
+            state, pin_memory=pin, on_allocate=self._check_layout_budget
+        )
+        self.engine._on_allocate = self._check_layout_budget
+        self.replicas = replicas or ReplicaStore(pin_memory=pin)
+        self._fault_hook = fault_hook
         self.channel = SideChannel(
             store, rank, world_size, prefix=f"{prefix}/side",
             timeout_s=self.config.timeout_s, hostname=hostname,
         )
         self.ledger = CommitLedger(
             store, world_size, ack_prefix=f"{prefix}/acks",
-            committed_key=f"{prefix}/committed_step", timeout_s=self.config.timeout_s,
+            committed_key=committed_key or f"{prefix}/committed_step",
+            timeout_s=self.config.timeout_s,
         )
         nodes = self.channel.allgather(torch.tensor([node], dtype=torch.int64))
         self.node_of_rank = [int(t.item()) for t in nodes]
@@ -146,6 +159,8 @@ class Replicator:
         """Capture ``step`` and start replicating it; returns the seconds the loop stalled."""
         t0 = time.perf_counter()
         self.wait()
+        if self._fault_hook is not None:
+            self._fault_hook("snapshot", step)
         slot = self.engine.capture(step)
         self._inflight = self._executor.submit(self._round, slot)
         return time.perf_counter() - t0
@@ -182,12 +197,26 @@ class Replicator:
             self._executor.shutdown(wait=True)
             self.channel.close()
 
+    def abandon(self) -> SideChannel:
+        """Stop using this replicator without waiting for an in-flight round.
+
+        Gloo cannot abort an operation, so a round blocked on a dead peer stays blocked
+        until its timeout; we leave it to finish (or fail) on its own thread and return
+        the side channel, which the caller must keep referenced until then. Snapshots
+        and replicas stay valid and are handed to the next generation.
+        """
+        self._inflight = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return self.channel
+
     # -- the background round --------------------------------------------------------
     def _round(self, slot: SnapshotSlot) -> RoundStats:
         t0 = time.perf_counter()
         meta = self.engine.seal(slot)
         t_sealed = time.perf_counter()
         sent, received, skipped = self._exchange(meta, slot)
+        if self._fault_hook is not None:
+            self._fault_hook("replication", meta.step)
         t_moved = time.perf_counter()
         self.ledger.ack(meta.step)
         self.ledger.wait_committed(meta.step)

@@ -129,6 +129,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _restore_module(module: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    # Snapshots are taken at step boundaries, where no gradient is meaningful. A rank
+    # rolled back from the middle of a failed step still holds that step's partial
+    # gradients, and ``backward`` would accumulate the replayed step onto them.
+    for p in module.parameters():
+        p.grad = None
     live = module.state_dict()
     if set(live) != set(state):
         extra, lost = sorted(set(state) - set(live)), sorted(set(live) - set(state))

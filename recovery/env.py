@@ -1,0 +1,61 @@
+"""What a worker learns from its launcher: identity, store address, run directory.
+
+Under ``checkpointless run`` every value comes from the environment the agent sets
+(torchrun's variables plus ``CHECKPOINTLESS_INTERNAL_*``). Run directly with
+``python train.py``, the worker is a single-rank job with an in-process store, so
+the same script works, without recovery, on a laptop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from recovery import protocol
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+    store_addr: str | None  # "host:port", or None for a standalone single process
+    run_dir: str
+    heartbeat_file: str | None
+    job_id: str
+    replacement: bool
+    config_json: str | None
+
+    @property
+    def launched(self) -> bool:
+        return self.store_addr is not None
+
+    @staticmethod
+    def from_environ(environ: dict[str, str] | None = None) -> WorkerEnv:
+        env = dict(os.environ if environ is None else environ)
+
+        def num(name: str, default: int) -> int:
+            try:
+                return int(env.get(name, default))
+            except ValueError:
+                raise ValueError(
+                    f"environment variable {name}={env[name]!r} is not an integer"
+                ) from None
+
+        local_world = num("LOCAL_WORLD_SIZE", 1)
+        rank = num("RANK", 0)
+        return WorkerEnv(
+            rank=rank,
+            world_size=num("WORLD_SIZE", 1),
+            local_rank=num("LOCAL_RANK", 0),
+            local_world_size=local_world,
+            node=num(protocol.ENV_NODE, num("GROUP_RANK", rank // max(1, local_world))),
+            store_addr=env.get(protocol.ENV_STORE) or None,
+            run_dir=env.get(protocol.ENV_RUN_DIR) or os.path.join("runs", "standalone"),
+            heartbeat_file=env.get(protocol.ENV_HEARTBEAT) or None,
+            job_id=env.get(protocol.ENV_JOB_ID, "standalone"),
+            replacement=env.get("CHECKPOINTLESS_INTERNAL_REPLACEMENT", "0") == "1",
+            config_json=env.get(protocol.ENV_CONFIG) or None,
+        )

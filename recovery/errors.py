@@ -1,0 +1,20 @@
+"""Exceptions of the worker-side runtime."""
+
+from __future__ import annotations
+
+
+class FailureDetected(RuntimeError):
+    """A peer or this rank failed; the runtime rolls back and recovers in-process."""
+
+    def __init__(self, cause: str, *, local: bool = False) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.local = local  # raised by this rank's own code (not observed from a peer)
+
+
+class RecoveryImpossible(RuntimeError):
+    """Some rank's state has no surviving in-memory copy (the message says which)."""
+
+
+class InjectedFault(RuntimeError):
+    """An exception raised on purpose by the fault-injection hook."""

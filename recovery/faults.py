@@ -1,0 +1,116 @@
+"""Fault injection: kill, stop or raise on a chosen rank, at a chosen step and phase.
+
+Tests, benchmarks and users name faults as ``rank:step:phase[:kind]`` (several joined
+by ``;``) in ``recovery.fault`` or the ``CHECKPOINTLESS_RECOVERY_FAULT`` variable.
+Phases: ``step`` (start of the step), ``forward``, ``backward``, ``optimizer``,
+``snapshot``, ``replication`` and ``recovery`` (during a recovery). Kinds: ``sigkill``
+(default), ``sigstop`` (a hang), ``exception`` and ``node`` (the rank's whole node:
+its agent and every process in the agent's process group).
+
+Each fault fires once per job, decided by an atomic counter in the store, so the
+replay of a rolled-back step does not fire it again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from recovery.errors import InjectedFault
+from recovery.protocol import fault_key
+
+PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery")
+KINDS = ("sigkill", "sigstop", "exception", "node")
+
+
+class FaultSpecError(ValueError):
+    """A malformed fault specification (the message names the part at fault)."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    phase: str
+    kind: str = "sigkill"
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.step}:{self.phase}:{self.kind}"
+
+
+def parse_faults(text: str) -> list[FaultSpec]:
+    """Parse ``rank:step:phase[:kind]`` entries separated by ``;``."""
+    specs = []
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        parts = item.split(":")
+        if len(parts) not in (3, 4):
+            raise FaultSpecError(f"fault {item!r}: expected rank:step:phase[:kind]")
+        try:
+            rank, step = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise FaultSpecError(f"fault {item!r}: rank and step must be integers") from None
+        phase = parts[2]
+        kind = parts[3] if len(parts) == 4 else "sigkill"
+        if phase not in PHASES:
+            raise FaultSpecError(f"fault {item!r}: phase {phase!r} not in {', '.join(PHASES)}")
+        if kind not in KINDS:
+            raise FaultSpecError(f"fault {item!r}: kind {kind!r} not in {', '.join(KINDS)}")
+        specs.append(FaultSpec(rank, step, phase, kind))
+    return specs
+
+
+class FaultInjector:
+    """Fires this rank's faults when the runtime reports reaching their phase."""
+
+    def __init__(self, specs: list[FaultSpec], rank: int, store: dist.Store, log=None) -> None:
+        self.specs = [s for s in specs if s.rank == rank]
+        self.store = store
+        self.log = log
+        self.step = -1
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def at(self, phase: str, step: int | None = None) -> None:
+        step = self.step if step is None else step
+        for spec in self.specs:
+            if spec.phase == phase and spec.step == step and self._claim(spec):
+                self._fire(spec)
+
+    def _claim(self, spec: FaultSpec) -> bool:
+        return self.store.add(fault_key(str(spec)), 1) == 1
+
+    def _fire(self, spec: FaultSpec) -> None:
+        if self.log is not None:
+            self.log.emit("fault_injected", fault=str(spec), rank=spec.rank, step=spec.step,
+                          phase=spec.phase, kind=spec.kind)
+        if spec.kind == "exception":
+            raise InjectedFault(f"injected exception on rank {spec.rank} at step {spec.step} "
+                                f"({spec.phase})")
+        if spec.kind == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        if spec.kind == "node":
+            try:
+                os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None):
+        """Hook the forward, backward and optimizer phases without touching user code."""
+        if not self.specs:
+            return
+        phases = {s.phase for s in self.specs}
+        if model is not None and "forward" in phases:
+            model.register_forward_pre_hook(lambda *_: self.at("forward"))
+        if model is not None and "backward" in phases:
+            params = [p for p in model.parameters() if p.requires_grad]
+            if params:
+                params[0].register_hook(lambda g: (self.at("backward"), g)[1])
+        if optimizer is not None and "optimizer" in phases:
+            optimizer.register_step_pre_hook(lambda *_: self.at("optimizer"))

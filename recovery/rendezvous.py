@@ -1,0 +1,95 @@
+"""A generation's rendezvous and the recovery plan every rank derives from it.
+
+Each rank (survivor or replacement) publishes a :class:`JoinRecord` for the new
+generation: which of its own snapshots it holds and which replicas it keeps for
+others. Once all ranks have joined, every rank computes the same plan from the same
+records: the target is the newest committed step; ranks that hold their own snapshot
+of it roll back locally; every other rank receives its state from the lowest-ranked
+survivor holding a replica of it. If some rank's state has no copy left, the plan says
+exactly whose and why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from recovery.errors import RecoveryImpossible
+from recovery.protocol import JoinRecord, join_key
+
+
+class GenerationChanged(RuntimeError):
+    """Another failure started a newer generation while this one was forming."""
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    gen: int
+    target_step: int
+    records: dict[int, JoinRecord]
+    providers: dict[int, int]  # rank that needs its state -> rank that sends it
+
+    @property
+    def newcomers(self) -> list[int]:
+        return sorted(self.providers)
+
+    def node_of_rank(self) -> list[int]:
+        return [self.records[r].node for r in sorted(self.records)]
+
+
+def join(
+    store: dist.Store,
+    gen: int,
+    record: JoinRecord,
+    world_size: int,
+    timeout_s: float,
+    current_gen: Callable[[], int],
+) -> dict[int, JoinRecord]:
+    """Publish ``record`` for ``gen`` and wait until every rank has joined."""
+    store.set(join_key(gen, record.rank), record.to_json())
+    keys = [join_key(gen, r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if current_gen() != gen:
+            raise GenerationChanged(f"generation {gen} superseded by {current_gen()}")
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RecoveryImpossible(
+                f"generation {gen}: ranks {missing} did not rejoin within {timeout_s:.0f}s "
+                "(no replacement process started for them: is a spare node or spare worker "
+                "available?)"
+            )
+        time.sleep(0.005)
+    return {r: JoinRecord.from_json(store.get(k)) for r, k in enumerate(keys)}
+
+
+def make_plan(gen: int, target_step: int, records: dict[int, JoinRecord]) -> RecoveryPlan:
+    """Decide who rolls back locally and who receives state from whom."""
+    if target_step < 0:
+        raise RecoveryImpossible(
+            "a failure happened before the first step was committed; there is no "
+            "in-memory state to recover to"
+        )
+    providers: dict[int, int] = {}
+    lost: list[str] = []
+    for rank, rec in sorted(records.items()):
+        if target_step in rec.local_steps:
+            continue
+        holders = sorted(
+            r for r, other in records.items()
+            if r != rank and target_step in other.replicas.get(str(rank), [])
+        )
+        if holders:
+            providers[rank] = holders[0]
+        else:
+            lost.append(f"rank {rank} (now on node {rec.node})")
+    if lost:
+        raise RecoveryImpossible(
+            f"the state of {', '.join(lost)} at committed step {target_step} has no surviving "
+            "copy: its own snapshot died with its process and no live rank holds a replica "
+            "of it (every holder failed too, or replication.factor=1)"
+        )
+    return RecoveryPlan(gen, target_step, records, providers)

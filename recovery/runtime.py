@@ -1,0 +1,295 @@
+"""The public worker runtime: make a plain PyTorch loop survive rank and node failures.
+
+    cl = Checkpointless(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    def train_step(step):
+        loss = model(next(batches)).mean()
+        loss.backward()
+        cl.all_reduce_gradients(model)
+        opt.step(); opt.zero_grad(); sched.step()
+    cl.run(train_step, num_steps=1000)
+
+``run`` snapshots after every step (double-buffered, replicated to other nodes,
+committed through the store). When any rank fails, every survivor rolls back to the
+newest committed step from its own memory, a replacement receives the lost state from
+a peer replica, the process groups are rebuilt for the new generation, and the loop
+goes on. The step function never sees generations, process groups or new ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recovery import process_groups, protocol
+from recovery.env import WorkerEnv
+from recovery.errors import FailureDetected, InjectedFault, RecoveryImpossible
+from recovery.faults import FaultInjector, parse_faults
+from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
+from recovery.settings import RuntimeSettings
+from recovery.transfer import receive_state, send_state
+from recovery.watchdog import Watchdog
+from replication.commit import committed_step
+from replication.replicator import Replicator
+from replication.snapshot import restore_from_buffer
+from replication.state import TrainingState
+
+
+class Checkpointless:
+    """Registers the training state and runs the training loop recoverably."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        loader: Any = None,
+        extra: dict[str, Any] | None = None,
+        settings: RuntimeSettings | None = None,
+        backend: str = "gloo",
+        env: WorkerEnv | None = None,
+    ) -> None:
+        self.env = env or WorkerEnv.from_environ()
+        self.settings = settings or (
+            RuntimeSettings.from_json(self.env.config_json)
+            if self.env.config_json else RuntimeSettings()
+        )
+        self.backend = backend
+        self.rank, self.world_size = self.env.rank, self.env.world_size
+        self.state = TrainingState()
+        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
+                          ("scaler", scaler), ("loader", loader), *(extra or {}).items()):
+            if obj is not None:
+                self.state.register(name, obj)
+        self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
+                                     f"rank{self.rank}")
+        self.store = self._connect_store()
+        rec = self.settings.recovery
+        fault_text = rec.fault or os.environ.get("CHECKPOINTLESS_RECOVERY_FAULT", "")
+        self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log)
+        self.faults.install(model, optimizer)
+        self.watchdog = Watchdog(self.store, self.env.heartbeat_file, rec.heartbeat_interval_s)
+        self.gen = protocol.current_generation(self.store)
+        self.replicator: Replicator | None = None
+        self.step = 0
+        self._resumed_from: dict[str, Any] | None = None
+        self.watchdog.start(self.gen)
+        if self.env.replacement or self.gen > 0:
+            self.start_step = self._recover({"kind": "replacement"}, newcomer=True) + 1
+        else:
+            self._setup_generation(0)
+            self.replicator.snapshot(0)  # the initial state is step 0, committed before training
+            self.replicator.wait()
+            self.start_step = 1
+        self.log.emit("worker_ready", rank=self.rank, gen=self.gen, start_step=self.start_step,
+                      replacement=self.env.replacement)
+
+    # -- public API --------------------------------------------------------------------
+    def run(self, train_step: Callable[[int], Any], num_steps: int) -> None:
+        """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably."""
+        step = self.start_step
+        while step <= num_steps:
+            try:
+                self._before_step(step)
+                train_step(step)
+                self._after_step(step)
+                step += 1
+            except RecoveryImpossible:
+                raise
+            except Exception as exc:  # any failure of this step, local or remote
+                if not self.settings.recovery.enabled:
+                    raise
+                step = self._recover(self._cause_of(exc)) + 1
+        self._finish()
+
+    def all_reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Average gradients across ranks (deterministic order, failure-aware wait)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads or self.world_size == 1:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        self.wait(dist.all_reduce(flat, async_op=True))
+        flat.div_(self.world_size)
+        for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(f)
+
+    def wait(self, work: Any) -> None:
+        """Wait for a collective, bailing out as soon as a failure is declared anywhere."""
+        deadline = time.monotonic() + self.settings.recovery.collective_timeout_s
+        while True:
+            try:
+                work.wait(datetime.timedelta(milliseconds=100))
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise FailureDetected(f"collective failed: {exc}") from exc
+                if self.watchdog.failure_pending:
+                    raise FailureDetected("failure declared while in a collective") from exc
+                if time.monotonic() > deadline:
+                    raise FailureDetected("collective timed out") from exc
+
+    @property
+    def committed_step(self) -> int:
+        return committed_step(self.store, protocol.COMMITTED_KEY)
+
+    # -- the step boundary -------------------------------------------------------------
+    def _before_step(self, step: int) -> None:
+        self.step = self.faults.step = step
+        if self.watchdog.failure_pending:
+            raise FailureDetected("a failure was declared by another participant")
+        self.faults.at("step")
+
+    def _after_step(self, step: int) -> None:
+        assert self.replicator is not None
+        stall = self.replicator.maybe_snapshot(step)
+        if self._resumed_from is not None:
+            info, self._resumed_from = self._resumed_from, None
+            self.log.emit("resumed", step=step, resume_s=time.time() - info["recovered_at"],
+                          **info)
+        if self.rank == 0:
+            self.log.emit("step", step=step, gen=self.gen, stall_s=stall)
+
+    def _finish(self) -> None:
+        assert self.replicator is not None
+        self.replicator.wait()
+        self.log.emit("worker_done", step=self.step, gen=self.gen)
+        self.watchdog.stop()
+        self.replicator.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- generations -------------------------------------------------------------------
+    def _connect_store(self) -> dist.Store:
+        if not self.env.launched:
+            return dist.HashStore()
+        host, port = self.env.store_addr.rsplit(":", 1)  # type: ignore[union-attr]
+        return dist.TCPStore(host, int(port), is_master=False,
+                             timeout=datetime.timedelta(seconds=60))
+
+    def _setup_generation(self, gen: int) -> None:
+        rs = self.settings
+        process_groups.init_training_group(
+            self.store, gen, self.rank, self.world_size, rs.recovery.collective_timeout_s,
+            self.backend,
+        )
+        old = self.replicator
+        self.replicator = Replicator(
+            self.state, store=self.store, rank=self.rank, world_size=self.world_size,
+            node=self.env.node, local_world_size=self.env.local_world_size,
+            config=rs.replication, memory=rs.memory, prefix=protocol.gen_prefix(gen),
+            committed_key=protocol.COMMITTED_KEY,
+            engine=old.engine if old else None, replicas=old.replicas if old else None,
+            fault_hook=self.faults.at if self.faults else None,
+        )
+        self.gen = self.watchdog.generation = gen
+
+    def _teardown_generation(self) -> None:
+        if self.replicator is not None:
+            process_groups.keep(self.replicator.abandon())
+        process_groups.abandon_training_group(self.settings.recovery.abort_backend)
+
+    def _cause_of(self, exc: Exception) -> dict[str, Any]:
+        local = isinstance(exc, InjectedFault) or (
+            not isinstance(exc, FailureDetected) and "gloo" not in str(exc).lower()
+            and "connection" not in str(exc).lower()
+        )
+        return {"kind": "exception" if local else "peer_failure", "rank": self.rank,
+                "error": f"{type(exc).__name__}: {str(exc)[:300]}", "local": local}
+
+    def _recover(self, cause: dict[str, Any], newcomer: bool = False) -> int:
+        """Leave the failed generation, join the next one, restore; returns the step."""
+        t_detect = time.time()
+        rec = self.settings.recovery
+        if not newcomer:
+            protocol.declare_failure(self.store, self.gen, {**cause, "ts": t_detect})
+        self._teardown_generation()
+        t_abort = time.time()
+        if protocol.recoveries(self.store) > rec.max_restarts:
+            self._fatal(f"recovery.max_restarts={rec.max_restarts} exceeded")
+        while True:
+            gen = protocol.current_generation(self.store)
+            self.watchdog.generation = gen
+            try:
+                self.faults.at("recovery", self.step)
+                plan, t_rdzv = self._rendezvous(gen, newcomer), time.time()
+                self._setup_generation(gen)
+                t_pg = time.time()
+                moved = self._transfer(plan)
+                break
+            except RecoveryImpossible as exc:
+                self._fatal(str(exc))
+            except GenerationChanged:
+                self._teardown_generation()
+            except Exception as exc:  # a failure during the recovery itself
+                self.log.emit("recovery_interrupted", gen=gen, error=str(exc)[:300])
+                protocol.declare_failure(self.store, gen, {
+                    "kind": "failure_during_recovery", "rank": self.rank, "ts": time.time(),
+                    "error": str(exc)[:300]})
+                self._teardown_generation()
+        t_done = time.time()
+        first = protocol.read_json(self.store, protocol.cause_key(gen)) or {}
+        timings = {
+            "detect_s": max(0.0, t_detect - float(first.get("ts", t_detect))),
+            "abort_s": t_abort - t_detect,
+            "rendezvous_s": t_pg - t_abort,
+            "rendezvous_join_s": t_rdzv - t_abort,
+            "transfer_s": t_done - t_pg,
+        }
+        info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
+                "newcomers": plan.newcomers, "providers": plan.providers,
+                "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
+                "recovered_at": t_done}
+        self.log.emit("recovery", rank=self.rank, **info)
+        self._resumed_from = info
+        self.step = plan.target_step
+        return plan.target_step
+
+    def _rendezvous(self, gen: int, newcomer: bool) -> RecoveryPlan:
+        engine = self.replicator.engine if self.replicator else None
+        replicas = self.replicator.replicas if self.replicator else None
+        record = protocol.JoinRecord(
+            rank=self.rank, node=self.env.node, pid=os.getpid(), newcomer=newcomer,
+            local_steps=engine.held_steps() if engine else [],
+            replicas={
+                str(src): [s.step for s in replicas._slots.get(src, []) if s.complete]
+                for src in replicas.sources()
+            } if replicas else {},
+        )
+        timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
+        records = join(self.store, gen, record, self.world_size, timeout,
+                       lambda: protocol.current_generation(self.store))
+        return make_plan(gen, self.committed_step, records)
+
+    def _transfer(self, plan: RecoveryPlan) -> int:
+        rep = self.replicator
+        assert rep is not None
+        chunk = self.settings.replication.chunk_bytes
+        moved = 0
+        for dst, provider in sorted(plan.providers.items()):
+            if provider == self.rank:
+                meta, buf = rep.replica_buffer(dst, plan.target_step)
+                moved += send_state(rep.channel, dst, meta, buf, chunk)
+        if self.rank in plan.providers:
+            meta, buf = receive_state(rep.channel, plan.providers[self.rank], chunk)
+            restore_from_buffer(self.state, buf, meta)
+            moved += buf.numel()
+            slot = rep.engine.capture(plan.target_step)  # hold it locally from now on
+            rep.engine.seal(slot)
+        else:
+            rep.engine.restore(plan.target_step)
+        rep.engine.protect(plan.target_step)
+        rep.replicas.protect(plan.target_step)
+        rep.channel.barrier()
+        return moved
+
+    def _fatal(self, reason: str) -> None:
+        protocol.set_fatal(self.store, reason, rank=self.rank, gen=self.gen)
+        self.log.emit("fatal", reason=reason)
+        raise RecoveryImpossible(reason)
