@@ -74,9 +74,16 @@ def _fmt(n: int) -> str:
     return str(n)
 
 
-def check_budget(plan: MemoryPlan, config: MemoryConfig, local_world_size: int) -> int:
-    """Raise :class:`MemoryBudgetError` if ``plan`` exceeds the budget; return the budget."""
-    budget = host_budget_bytes(config, local_world_size)
+def check_budget(
+    plan: MemoryPlan, config: MemoryConfig, local_world_size: int, budget: int | None = None
+) -> int:
+    """Raise :class:`MemoryBudgetError` if ``plan`` exceeds the budget; return the budget.
+
+    Pass the ``budget`` measured before any snapshot buffer existed when re-checking
+    later: measuring free RAM again would count our own buffers twice.
+    """
+    if budget is None:
+        budget = host_budget_bytes(config, local_world_size)
     if plan.total_bytes > budget:
         source = (
             f"memory.host_budget_bytes={config.host_budget_bytes}"

@@ -34,7 +34,12 @@ from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.layout import SnapshotLayout
-from replication.memory import MemoryPlan, check_budget, lazy_optimizer_bytes
+from replication.memory import (
+    MemoryPlan,
+    check_budget,
+    host_budget_bytes,
+    lazy_optimizer_bytes,
+)
 from replication.placement import place_replicas, sources_of
 from replication.replicas import ReplicaStore
 from replication.snapshot import SnapshotEngine, SnapshotMeta, SnapshotSlot, verify_segments
@@ -108,6 +113,12 @@ class Replicator:
         self.state = state
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         pin = self.config.device == "cpu" and torch.cuda.is_available()
+        # Measured once, before our buffers exist, so re-checks do not count them twice.
+        # Buffers carried over from a previous generation already reduced free RAM.
+        held = (engine.state_bytes * 2 if engine else 0) + (replicas.nbytes() if replicas else 0)
+        self._budget = host_budget_bytes(self.memory, local_world_size) + (
+            held if self.memory.host_budget_bytes == 0 else 0
+        )
         self.engine = engine or SnapshotEngine(
             state, pin_memory=pin, on_allocate=self._check_layout_budget
         )
@@ -148,11 +159,11 @@ class Replicator:
             if isinstance(obj, torch.optim.Optimizer)
         )
         plan = self.plan(size)
-        check_budget(plan, self.memory, self.local_world_size)
+        check_budget(plan, self.memory, self.local_world_size, self._budget)
         return plan
 
     def _check_layout_budget(self, layout: SnapshotLayout) -> None:
-        check_budget(self.plan(layout.nbytes), self.memory, self.local_world_size)
+        check_budget(self.plan(layout.nbytes), self.memory, self.local_world_size, self._budget)
 
     # -- training-loop API -----------------------------------------------------------
     def snapshot(self, step: int) -> float:
