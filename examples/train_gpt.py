@@ -16,8 +16,12 @@ import os
 
 import torch
 
-from examples.gpt import CharData, TinyGPT, loss_fn, lr_lambda, make_corpus, state_digest
 from recovery import Checkpointless
+
+try:  # run as `-m examples.train_gpt`
+    from examples.gpt import CharData, TinyGPT, loss_fn, lr_lambda, make_corpus, state_digest
+except ImportError:  # run as a script path: examples/ is sys.path[0]
+    from gpt import CharData, TinyGPT, loss_fn, lr_lambda, make_corpus, state_digest
 
 
 def main() -> None:

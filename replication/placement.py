@@ -26,9 +26,15 @@ def nodes_of(node_of_rank: Sequence[int]) -> dict[int, list[int]]:
 
 
 def place_replicas(
-    node_of_rank: Sequence[int], factor: int, policy: str = "ring"
+    node_of_rank: Sequence[int], factor: int, policy: str = "ring", *,
+    allow_same_node: bool = False,
 ) -> list[list[int]]:
-    """For each rank, the ranks (on ``factor-1`` distinct other nodes) holding its replicas."""
+    """For each rank, the ranks (on ``factor-1`` distinct other nodes) holding its replicas.
+
+    With fewer nodes than ``factor`` this refuses, unless ``allow_same_node``: then the
+    copies go to other *processes*, on other nodes first, which still covers process
+    failures (a single-node job) but not the loss of a whole node.
+    """
     if factor < 1:
         raise PlacementError(f"replication.factor must be >= 1, got {factor}")
     if factor == 1:
@@ -36,6 +42,8 @@ def place_replicas(
     nodes = nodes_of(node_of_rank)
     order = sorted(nodes)
     n_nodes = len(order)
+    if factor > n_nodes and allow_same_node:
+        return _process_placement(node_of_rank, factor, nodes, order)
     if factor > n_nodes:
         raise PlacementError(
             f"replication.factor={factor} needs at least {factor} nodes so that no node holds "
@@ -60,6 +68,29 @@ def place_replicas(
             peers = nodes[target_node]
             chosen.append(peers[local % len(peers)])
         holders.append(chosen)
+    return holders
+
+
+def _process_placement(
+    node_of_rank: Sequence[int], factor: int, nodes: dict[int, list[int]], order: list[int]
+) -> list[list[int]]:
+    world = len(node_of_rank)
+    if factor > world:
+        raise PlacementError(
+            f"replication.factor={factor} needs at least {factor} processes, the job has {world}"
+        )
+    holders: list[list[int]] = []
+    for rank, node in enumerate(node_of_rank):
+        pos, local = order.index(node), nodes[node].index(rank)
+        ring = [order[(pos + j) % len(order)] for j in range(len(order))]
+        candidates: list[int] = []
+        for shift in range(max(len(v) for v in nodes.values())):
+            for other in ring[1:] + ring[:1]:  # other nodes first, own node last
+                peers = nodes[other]
+                cand = peers[(local + shift) % len(peers)]
+                if cand != rank and cand not in candidates:
+                    candidates.append(cand)
+        holders.append(candidates[: factor - 1])
     return holders
 
 

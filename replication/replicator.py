@@ -136,7 +136,15 @@ class Replicator:
         )
         nodes = self.channel.allgather(torch.tensor([node], dtype=torch.int64))
         self.node_of_rank = [int(t.item()) for t in nodes]
-        self.holders = place_replicas(self.node_of_rank, self.config.factor, self.config.placement)
+        self.holders = place_replicas(
+            self.node_of_rank, self.config.factor, self.config.placement, allow_same_node=True
+        )
+        if self.config.factor > len(set(self.node_of_rank)) and rank == 0:
+            log.warning(
+                "replication.factor=%d but only %d node(s): replicas are kept by other "
+                "processes, so a process failure is recoverable but the loss of a node is not",
+                self.config.factor, len(set(self.node_of_rank)),
+            )
         self.sources = sources_of(self.holders)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointless-replicate")
         self._inflight: Future | None = None

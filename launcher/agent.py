@@ -1,0 +1,432 @@
+"""The per-node agent: join the job, run this node's ranks, keep them running.
+
+One poll loop (every ``--monitor-interval``, 50 ms by default) does, in order: react to
+a signal; read the generation and the fatal flag; look at each worker (exit code,
+heartbeat file); keep the spare pool full; every heartbeat interval, look at the other
+agents' heartbeats; settle lost groups; stop when every rank has finished.
+
+Generations. A failure belongs to the generation that was current while the failed
+process (or node) was last seen alive, not to whatever generation is current when the
+agent gets round to acting: the surviving workers may already have declared the same
+failure, and declaring from the newer generation would count one failure twice. So
+each poll reads the generation *before* looking at the workers and each worker keeps
+the generation of its last sign of life (see :meth:`Worker.observe`); declaring from it
+dedupes with the workers' own declaration (``protocol.declare_failure``).
+
+Surviving workers are never restarted or signalled; only the failed rank gets a new
+process (a warm spare when one is idle), with ``CHECKPOINTLESS_INTERNAL_REPLACEMENT=1``.
+A job with ranks that already finished cannot recover in-process (the finished ranks
+cannot take part), so a failure after the first clean exit is fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from launcher import rendezvous as rdzv
+from launcher.config import CheckpointlessConfig, config_to_json
+from launcher.run_args import RunArgs
+from launcher.worker_env import JobEnv
+from launcher.worker_procs import (
+    SparePool, Worker, exit_signal, make_heartbeat_file, python_command, spawn,
+    stop_processes,
+)
+from recovery import protocol
+
+LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
+
+
+class JoinError(RuntimeError):
+    """This agent cannot take part in the job (its node rank is already taken)."""
+
+
+@dataclass
+class _LostGroup:
+    lost_node: int
+    detected_at: float  # monotonic
+    gen: int  # the generation the lost node was last seen alive in
+
+
+class Agent:
+    """Supervises one node's workers; see the module docstring for the loop."""
+
+    def __init__(self, args: RunArgs, cfg: CheckpointlessConfig, run_dir: str) -> None:
+        self.args, self.cfg, self.run_dir = args, cfg, run_dir
+        self.node = args.node_rank
+        self.rcfg = cfg.recovery
+        events_file = cfg.recovery.events_file or os.path.join(run_dir, "events.jsonl")
+        self.events = protocol.EventLog(events_file, source=f"agent{self.node}")
+        self.group: int | None = None  # the node-group this agent runs; None while idle
+        self.workers: dict[int, Worker] = {}
+        self.lost_groups: dict[int, _LostGroup] = {}
+        self.watch = rdzv.PeerWatch(self.node, cfg.recovery.heartbeat_timeout_s)
+        self.store: dist.Store | None = None
+        self.spares: SparePool | None = None
+        self.heartbeat: rdzv.Heartbeat | None = None
+        self._signal: int | None = None
+        self._wake = threading.Event()
+        self._seq = itertools.count()
+        self._next_peer_check = 0.0
+
+    # --- entry ----------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal_received)
+        try:
+            self._connect()
+            if not self._join():
+                if self._signal is not None:
+                    return self._stop()
+                failure = protocol.fatal(self.store) or {}
+                return self._failed(str(failure.get("reason", failure)))
+            if self.group is not None:
+                for local in range(self.args.nproc):
+                    self._start_rank(self.group, local, replacement=False, restart_count=0)
+            return self._loop()
+        except (rdzv.StoreUnavailable, JoinError) as exc:
+            return self._stop() if self._signal is not None else self._failed(str(exc))
+        except (dist.DistError, TimeoutError) as exc:
+            where = f"{self.args.host}:{self.args.port}"
+            return self._failed(f"lost the job store at {where} ({rdzv.brief(exc)})")
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            self._stop_local()
+
+    def _on_signal_received(self, signum: int, _frame: Any) -> None:
+        if self._signal is None:
+            self._signal = signum
+        self._wake.set()
+
+    # --- joining --------------------------------------------------------------------
+    def _connect(self) -> None:
+        a = self.args
+        if a.hosts_store:
+            self.store = rdzv.host_store(a.host, a.port)
+            port = self.store.port
+        else:
+            self.store = rdzv.connect_store(a.host, a.port, a.join_timeout_s,
+                                            lambda: self._signal is not None)
+            port = a.port
+        self.cfg.run_dir = self.run_dir
+        self.cfg.recovery.events_file = self.events.path
+        self.job = JobEnv(
+            store_host=a.host, store_port=port, nproc=a.nproc, nnodes=a.nnodes,
+            node=self.node, run_id=a.rdzv_id, max_restarts=self.rcfg.max_restarts,
+            run_dir=self.run_dir, config_json=config_to_json(self.cfg),
+        )
+        self.base_env = self.job.base()
+        self.spares = SparePool(a.spares, self.base_env, self._emit)
+        self.spares.fill()  # spares import torch while the other nodes join
+        if not a.is_spare_node and not rdzv.own_group(self.store, self.node, self.node):
+            raise JoinError(
+                f"node rank {self.node} already joined job {a.rdzv_id!r}; start a "
+                f"replacement node with --node-rank >= {a.nnodes} to make it a spare node"
+            )
+        self.group = None if a.is_spare_node else self.node
+        rdzv.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
+        self.heartbeat = rdzv.Heartbeat(a.host, port, self.node, self.rcfg.heartbeat_interval_s)
+        self.heartbeat.start()
+        role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
+        self._emit("agent_start", pid=os.getpid(), role=role, store=f"{a.host}:{port}")
+        self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, run dir {self.run_dir})")
+
+    def _join(self) -> bool:
+        """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
+        deadline = time.monotonic() + self.args.join_timeout_s
+        while True:
+            if self._signal is not None or protocol.fatal(self.store) is not None:
+                return False
+            owners = rdzv.owners(self.store, self.args.nnodes)
+            missing = [g for g, owner in owners.items() if owner is None]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                protocol.set_fatal(self.store, f"node ranks {missing} did not join within "
+                                   f"{self.args.join_timeout_s:.0f}s")
+                return False
+            self._wake.wait(0.1)
+        for owner in set(owners.values()):
+            info = rdzv.agent_info(self.store, owner)
+            if info and int(info["nproc"]) != self.args.nproc:
+                protocol.set_fatal(self.store, f"node {owner} runs {info['nproc']} workers but "
+                                   f"node {self.node} runs {self.args.nproc} (--nproc-per-node)")
+                return False
+        return True
+
+    # --- the loop -------------------------------------------------------------------
+    def _loop(self) -> int:
+        world = self.args.world_size
+        while True:
+            if self._signal is not None:
+                return self._stop()
+            gen = protocol.current_generation(self.store)  # before looking at anyone
+            failure = protocol.fatal(self.store)
+            if failure is not None:
+                return self._failed(str(failure.get("reason", failure)))
+            self._poll_workers(gen)
+            self.spares.maintain()
+            if time.monotonic() >= self._next_peer_check:
+                self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
+                self._check_peers(gen)
+            self._settle_lost_groups()
+            if protocol.done_count(self.store) >= world:
+                return self._done()
+            self._wake.wait(self.args.monitor_interval_s)
+
+    def _poll_workers(self, gen: int) -> None:
+        for w in list(self.workers.values()):
+            code = w.proc.poll()
+            if code is None:
+                if w.observe(gen, self.rcfg.heartbeat_timeout_s):
+                    self._on_hung(w)
+                continue
+            detected = time.monotonic()
+            del self.workers[w.rank]
+            sig = exit_signal(code)
+            self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
+            if code == 0:
+                self._record_done(w.rank)
+            elif code == protocol.EXIT_FATAL:
+                if protocol.fatal(self.store) is None:
+                    protocol.set_fatal(self.store, f"rank {w.rank} exited with EXIT_FATAL "
+                                       f"({code}) without recording a reason")
+            else:
+                cause = {"kind": "worker_exit", "rank": w.rank, "node": self.node,
+                         "exitcode": code, "signal": sig}
+                self._on_failure(w, cause, detected)
+
+    def _on_hung(self, w: Worker) -> None:
+        detected = time.monotonic()
+        silent = detected - w.beat_seen_at
+        self._emit("worker_hung", rank=w.rank, pid=w.pid, silent_s=round(silent, 3))
+        self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for {silent:.1f}s: killing it")
+        w.kill()
+        del self.workers[w.rank]
+        self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=w.proc.returncode,
+                   signal=exit_signal(w.proc.returncode))
+        cause = {"kind": "worker_hung", "rank": w.rank, "node": self.node,
+                 "exitcode": w.proc.returncode, "signal": "SIGKILL", "silent_s": round(silent, 3)}
+        self._on_failure(w, cause, detected)
+
+    def _on_failure(self, w: Worker, cause: dict[str, Any], detected: float) -> None:
+        if protocol.fatal(self.store) is not None:
+            return  # the job is ending; this exit is part of it
+        what = describe(cause)
+        self._log(f"{what}: recovering")
+        finished = protocol.done_count(self.store)
+        if finished:
+            protocol.set_fatal(self.store, f"{what} after {finished} of {self.args.world_size} "
+                               "ranks had finished; the finished ranks cannot join a recovery")
+            return
+        if not self._declare(w.gen_seen, cause):
+            return
+        restart = max(w.restart_count + 1, protocol.recoveries(self.store))
+        self._start_rank(w.group_rank, w.local_rank, replacement=True, restart_count=restart,
+                         detected_at=detected)
+
+    def _declare(self, observed_gen: int, cause: dict[str, Any]) -> bool:
+        """Declare the failure (deduped); False when the job must stop instead."""
+        what = describe(cause)
+        if not self.rcfg.enabled:
+            protocol.set_fatal(self.store, f"{what} and recovery.enabled is false")
+            return False
+        gen = protocol.declare_failure(self.store, observed_gen, cause)
+        count = protocol.recoveries(self.store)
+        self._emit("failure_declared", gen=gen, observed_gen=observed_gen, cause=cause,
+                   recoveries=count)
+        if count > self.rcfg.max_restarts:
+            protocol.set_fatal(self.store, f"recovery.max_restarts={self.rcfg.max_restarts} "
+                               f"exceeded ({count} recoveries; last: {what})")
+            return False
+        return True
+
+    def _start_rank(self, group: int, local: int, *, replacement: bool, restart_count: int,
+                    detected_at: float | None = None) -> None:
+        rank = group * self.args.nproc + local
+        hb = os.path.join(self.run_dir, "heartbeats", f"node{self.node}-rank{rank}-"
+                          f"{next(self._seq)}.hb")
+        make_heartbeat_file(hb)
+        rank_vars = self.job.rank_vars(group_rank=group, local_rank=local,
+                                       restart_count=restart_count, heartbeat=hb,
+                                       replacement=replacement)
+        argv = [self.args.script, *self.args.script_args]
+        proc, spare = None, False
+        candidate = self.spares.take() if replacement else None
+        if candidate is not None:
+            if SparePool.assign(candidate, rank_vars, argv, self.args.module):
+                proc, spare = candidate, True
+            else:
+                stop_processes([candidate], grace_s=0.0)
+            self.spares.fill()  # refill now; Popen does not wait for the imports
+        if proc is None:
+            cmd = python_command(self.args.script, self.args.script_args, self.args.module)
+            proc = spawn(cmd, {**self.base_env, **rank_vars})
+        gen = protocol.current_generation(self.store)
+        self.workers[rank] = Worker(rank, local, group, proc, hb, restart_count, gen, spare)
+        self._emit("worker_start", rank=rank, local_rank=local, group_rank=group, pid=proc.pid,
+                   replacement=replacement, spare=spare, restart_count=restart_count)
+        if replacement:
+            took = time.monotonic() - detected_at if detected_at is not None else None
+            self._emit("replacement_assigned", rank=rank, pid=proc.pid, spare=spare, gen=gen,
+                       seconds_since_detection=took)
+            self._log(f"rank {rank} handed to {'a warm spare' if spare else 'a new process'} "
+                      f"(pid {proc.pid})")
+
+    def _record_done(self, rank: int) -> None:
+        key = protocol.done_key(rank)
+        if not self.store.check([key]):
+            self.store.set(key, "1")
+            self.store.add(protocol.DONE_COUNT_KEY, 1)
+
+    # --- other nodes ----------------------------------------------------------------
+    def _check_peers(self, gen: int) -> None:
+        for lost in self.watch.check(self.store, gen):
+            owners = rdzv.owners(self.store, self.args.nnodes)
+            groups = [g for g, owner in owners.items() if owner == lost]
+            ranks = [r for g in groups for r in self._ranks(g)]
+            silent = self.watch.silent_for(lost)
+            self._emit("node_lost", lost_node=lost, groups=groups, ranks=ranks,
+                       silent_s=round(silent, 3))
+            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; ranks {ranks})")
+            observed = self.watch.gen_alive(lost, gen)
+            for g in groups:
+                self.lost_groups[g] = _LostGroup(lost, time.monotonic(), observed)
+                if self.group is not None:  # active agents declare too; it dedupes
+                    cause = {"kind": "node_lost", "node": lost, "group": g,
+                             "ranks": self._ranks(g)}
+                    self._declare(observed, cause)
+
+    def _settle_lost_groups(self) -> None:
+        """Take over a lost group if idle; give up on it when nobody does in time."""
+        for g, lost in list(self.lost_groups.items()):
+            owner = rdzv.owner(self.store, g)
+            if owner != lost.lost_node:
+                del self.lost_groups[g]  # someone (maybe this agent) took it
+            elif self.group is None and rdzv.take_over(self.store, g, lost.lost_node, self.node):
+                del self.lost_groups[g]
+                self._adopt(g, lost)
+            elif time.monotonic() - lost.detected_at > self.rcfg.heartbeat_timeout_s:
+                del self.lost_groups[g]
+                protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
+                                   f"{self._ranks(g)}) and no spare node took them over")
+
+    def _adopt(self, group: int, lost: _LostGroup) -> None:
+        self.group = group
+        ranks = self._ranks(group)
+        self._emit("node_takeover", lost_node=lost.lost_node, group=group, ranks=ranks)
+        self._log(f"taking over ranks {ranks} of lost node {lost.lost_node}")
+        cause = {"kind": "node_lost", "node": lost.lost_node, "group": group, "ranks": ranks}
+        if not self._declare(lost.gen, cause):
+            return
+        restart = protocol.recoveries(self.store)
+        for local in range(self.args.nproc):
+            self._start_rank(group, local, replacement=True, restart_count=restart,
+                             detected_at=lost.detected_at)
+
+    # --- endings --------------------------------------------------------------------
+    def _done(self) -> int:
+        self._stop_local()
+        recoveries = protocol.recoveries(self.store)
+        step = _committed_step(self.store)
+        self._emit("job_done", recoveries=recoveries, committed_step=step)
+        self.store.set(protocol.agent_finished_key(self.node), "1")
+        step_text = f", committed step {step}" if step is not None else ""
+        self._log(f"job done: {self.args.world_size} ranks finished, {recoveries} "
+                  f"recoveries{step_text}; run dir {self.run_dir}")
+        self._linger(LINGER_S)
+        return 0
+
+    def _failed(self, reason: str) -> int:
+        print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)
+        self._stop_local()
+        self._emit("job_failed", reason=reason)
+        self._mark_finished()
+        self._linger(LINGER_S)
+        return 1
+
+    def _stop(self) -> int:
+        """Stopped by a signal: end this node's part and exit 128 + signal.
+
+        SIGINT (an operator) and any stop of the store host end the job; a SIGTERM of
+        another node (say, a preemption) is left to look like a lost node, so a spare
+        node can take its ranks over.
+        """
+        sig = self._signal or signal.SIGTERM
+        name = signal.Signals(sig).name
+        self._log(f"{name}: stopping this node's workers")
+        if self.store is not None and (sig == signal.SIGINT or self.args.hosts_store):
+            with contextlib.suppress(dist.DistError, RuntimeError):
+                protocol.set_fatal(self.store, f"node {self.node} stopped by {name}")
+        self._stop_local()
+        self._emit("agent_exit", signal=name)
+        self._mark_finished()
+        self._linger(5.0)
+        return 128 + sig
+
+    def _stop_local(self) -> None:
+        stop_processes([w.proc for w in self.workers.values()])
+        self.workers.clear()
+        if self.spares is not None:
+            self.spares.stop()
+
+    def _mark_finished(self) -> None:
+        if self.store is not None:
+            with contextlib.suppress(dist.DistError, RuntimeError):
+                self.store.set(protocol.agent_finished_key(self.node), "1")
+
+    def _linger(self, bound_s: float) -> None:
+        """The store host waits until the other agents have seen the end (bounded)."""
+        if not self.args.hosts_store or self.store is None:
+            return
+        deadline = time.monotonic() + bound_s
+        with contextlib.suppress(dist.DistError, RuntimeError):
+            while time.monotonic() < deadline:
+                others = [n for n in rdzv.registered_nodes(self.store) if n != self.node]
+                self.watch.check(self.store, protocol.current_generation(self.store))
+                pending = [n for n in others if n not in self.watch.lost
+                           and not self.store.check([protocol.agent_finished_key(n)])]
+                if not pending:
+                    return
+                time.sleep(0.05)
+
+    # --- small helpers --------------------------------------------------------------
+    def _ranks(self, group: int) -> list[int]:
+        return [group * self.args.nproc + i for i in range(self.args.nproc)]
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        self.events.emit(event, node=self.node, **fields)
+
+    def _log(self, message: str) -> None:
+        print(f"[checkpointless node {self.node}] {message}", file=sys.stderr, flush=True)
+
+
+def describe(cause: dict[str, Any]) -> str:
+    """A failure cause in words, for logs and fatal reasons."""
+    kind = cause.get("kind")
+    if kind == "node_lost":
+        return f"node {cause.get('node')} lost (ranks {cause.get('ranks')})"
+    where = f"rank {cause.get('rank')} on node {cause.get('node')}"
+    if kind == "worker_hung":
+        return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
+    if cause.get("signal"):
+        return f"{where} was killed by {cause['signal']}"
+    return f"{where} exited with code {cause.get('exitcode')}"
+
+
+def _committed_step(store: dist.Store) -> Any:
+    """The newest committed step, if the runtime recorded one (its format is its own)."""
+    if not store.check([protocol.COMMITTED_KEY]):
+        return None
+    raw = store.get(protocol.COMMITTED_KEY).decode()
+    return int(raw) if raw.strip().lstrip("-").isdigit() else raw

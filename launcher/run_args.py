@@ -1,0 +1,273 @@
+"""Command-line arguments of ``checkpointless run``: torchrun's flags plus our own.
+
+Every torchrun flag is accepted with both spellings (``--nproc-per-node`` and
+``--nproc_per_node``) so existing launch scripts work by changing the program name.
+Recipe overrides (``replication.factor=2``) go between the flags and the script: the
+script is the first positional argument that is not ``dotted.key=value``, and
+everything after it belongs to the script, untouched.
+
+Parsing ends in one frozen :class:`RunArgs`; every check that can fail before any
+process starts (bad endpoint, unknown backend, missing script) happens here and
+raises :class:`UsageError`, which the command reports as ``checkpointless: error:``
+with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_RDZV_PORT = 29400  # torchrun's default when --rdzv-endpoint has no port
+DEFAULT_JOIN_TIMEOUT_S = 600.0  # torchrun's default rendezvous join timeout
+SUPPORTED_BACKENDS = ("c10d", "static")
+
+_OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class UsageError(ValueError):
+    """A bad flag or value on the ``run`` command line."""
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """Everything ``checkpointless run`` was asked to do, validated."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    host: str
+    port: int  # 0 with --standalone: node 0 picks a free port
+    rdzv_id: str
+    standalone: bool
+    module: bool
+    script: str  # a path, or a module name with -m
+    script_args: tuple[str, ...]
+    overrides: tuple[str, ...]
+    recipe: str | None
+    run_dir: str | None
+    spares: int
+    max_restarts: int | None  # None: not given on the command line
+    join_timeout_s: float
+    monitor_interval_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    @property
+    def is_spare_node(self) -> bool:
+        """A node rank past ``nnodes`` owns no ranks: it waits to take over a lost node."""
+        return self.node_rank >= self.nnodes
+
+    @property
+    def hosts_store(self) -> bool:
+        return self.node_rank == 0
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """Add ``--a-b`` with its ``--a_b`` twin (torchrun documents both)."""
+    spellings = [f"--{name}"]
+    if "-" in name:
+        spellings.append("--" + name.replace("-", "_"))
+    parser.add_argument(*spellings, **kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "nproc-per-node", dest="nproc_per_node", default="1", metavar="N",
+          help="workers per node: an integer, or 'cpu', 'gpu', 'auto' (default 1)")
+    _flag(parser, "nnodes", default="1", metavar="N|MIN:MAX",
+          help="number of active nodes; torchrun's MIN:MAX is accepted and MIN used")
+    _flag(parser, "node-rank", dest="node_rank", type=int, default=0, metavar="R",
+          help="this node's rank; ranks >= nnodes are spare nodes (default 0)")
+    _flag(parser, "rdzv-endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT",
+          help="where node 0 hosts the job's c10d store (default: master addr/port)")
+    _flag(parser, "rdzv-id", dest="rdzv_id", default="", metavar="ID",
+          help="job id, shared by all nodes (default 'none'; 'standalone' with --standalone)")
+    _flag(parser, "rdzv-backend", dest="rdzv_backend", default="static", metavar="NAME",
+          help="rendezvous backend: c10d or static (both mean node 0 hosts a TCPStore)")
+    _flag(parser, "rdzv-conf", dest="rdzv_conf", default="", metavar="K=V,...",
+          help="rendezvous settings; join_timeout=SECONDS is honoured (default 600)")
+    _flag(parser, "master-addr", dest="master_addr", default=DEFAULT_MASTER_ADDR,
+          metavar="HOST", help=f"store host without --rdzv-endpoint ({DEFAULT_MASTER_ADDR})")
+    _flag(parser, "master-port", dest="master_port", type=int, default=DEFAULT_MASTER_PORT,
+          metavar="PORT", help=f"store port without --rdzv-endpoint ({DEFAULT_MASTER_PORT})")
+    _flag(parser, "max-restarts", dest="max_restarts", type=int, default=None, metavar="N",
+          help="in-process recoveries allowed (recovery.max_restarts, unless the recipe, "
+          "env or an override sets it)")
+    _flag(parser, "monitor-interval", dest="monitor_interval", type=float, default=0.05,
+          metavar="SECONDS", help="how often the agent polls its workers (default 0.05)")
+    _flag(parser, "standalone", action="store_true",
+          help="single node: host the store on 127.0.0.1 at a free port")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="run SCRIPT as a module (python -m SCRIPT)")
+    _flag(parser, "run-dir", dest="run_dir", default=None, metavar="DIR",
+          help="events and heartbeats go here (default: the recipe's run_dir, "
+          "else ./runs/<rdzv-id>)")
+    _flag(parser, "recipe", default=None, metavar="FILE", help="YAML recipe")
+    _flag(parser, "spares", type=int, default=0, metavar="N",
+          help="warm spare processes per node, started with torch imported (default 0)")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[KEY=VALUE ...] SCRIPT",
+                        help="recipe overrides, then the script (or module) and its args")
+
+
+def is_override(token: str) -> bool:
+    """``dotted.key=value`` before the script is a recipe override, not the script."""
+    key, sep, _ = token.partition("=")
+    return bool(sep) and bool(_OVERRIDE_KEY.match(key))
+
+
+def from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RunArgs:
+    """Split overrides from the script (re-parsing flags that follow an override)."""
+    overrides: list[str] = []
+    rest = list(ns.rest)
+    while rest:
+        head = rest[0]
+        if head == "--":
+            rest.pop(0)
+            break
+        if is_override(head):
+            overrides.append(rest.pop(0))
+        elif head.startswith("-") and head != "-":
+            # Flags after an override: argparse's REMAINDER swallowed them; parse again.
+            ns.rest = []
+            parser.parse_args(rest, namespace=ns)
+            rest = list(ns.rest)
+        else:
+            break
+    if not rest:
+        raise UsageError("no script given (usage: checkpointless run [flags] SCRIPT [args])")
+    return _validate(ns, overrides, rest[0], tuple(rest[1:]))
+
+
+def _validate(
+    ns: argparse.Namespace, overrides: list[str], script: str, script_args: tuple[str, ...]
+) -> RunArgs:
+    nnodes = parse_nnodes(ns.nnodes)
+    nproc = parse_nproc(ns.nproc_per_node)
+    if ns.rdzv_backend not in SUPPORTED_BACKENDS:
+        raise UsageError(
+            f"--rdzv-backend {ns.rdzv_backend!r} is not supported "
+            f"(use {' or '.join(SUPPORTED_BACKENDS)}: node 0 hosts the job's TCPStore)"
+        )
+    _non_negative("--node-rank", ns.node_rank)
+    _non_negative("--spares", ns.spares)
+    if ns.max_restarts is not None:
+        _non_negative("--max-restarts", ns.max_restarts)
+    if ns.monitor_interval <= 0:
+        raise UsageError("--monitor-interval must be > 0")
+    if ns.standalone:
+        if nnodes != 1 or ns.node_rank != 0:
+            raise UsageError("--standalone runs one node: drop --nnodes/--node-rank")
+        host, port = "127.0.0.1", 0
+    elif ns.rdzv_endpoint:
+        host, port = parse_endpoint(ns.rdzv_endpoint)
+    else:
+        host, port = ns.master_addr, _port("--master-port", ns.master_port)
+    if not ns.module and not os.path.isfile(script):
+        raise UsageError(f"script {script!r} not found (use -m to run a module)")
+    return RunArgs(
+        nproc=nproc,
+        nnodes=nnodes,
+        node_rank=ns.node_rank,
+        host=host,
+        port=port,
+        rdzv_id=ns.rdzv_id or ("standalone" if ns.standalone else "none"),
+        standalone=ns.standalone,
+        module=ns.module,
+        script=script,
+        script_args=script_args,
+        overrides=tuple(overrides),
+        recipe=ns.recipe,
+        run_dir=ns.run_dir,
+        spares=ns.spares,
+        max_restarts=ns.max_restarts,
+        join_timeout_s=parse_join_timeout(ns.rdzv_conf),
+        monitor_interval_s=ns.monitor_interval,
+    )
+
+
+def parse_nnodes(text: str) -> int:
+    """``N`` or torchrun's elastic ``MIN:MAX``; the active node count is MIN."""
+    first = text.split(":", 1)[0] if ":" in text else text
+    try:
+        value = int(first)
+        if ":" in text:
+            int(text.split(":", 1)[1])
+    except ValueError:
+        raise UsageError(f"--nnodes expects N or MIN:MAX, got {text!r}") from None
+    if value < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {text!r}")
+    return value
+
+
+def parse_nproc(text: str) -> int:
+    """An integer, or torchrun's 'cpu' / 'gpu' / 'auto' (GPUs if any, else CPUs)."""
+    if text in ("cpu", "gpu", "auto"):
+        gpus = 0
+        if text != "cpu":
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if text == "gpu" and gpus == 0:
+            raise UsageError("--nproc-per-node gpu: no CUDA device is visible")
+        return gpus or (os.cpu_count() or 1)
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(
+            f"--nproc-per-node expects an integer, 'cpu', 'gpu' or 'auto', got {text!r}"
+        ) from None
+    if value < 1:
+        raise UsageError(f"--nproc-per-node must be >= 1, got {value}")
+    return value
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``HOST`` (port 29400 like torchrun) or ``[IPv6]:PORT``."""
+    if text.startswith("["):
+        host, _, tail = text[1:].partition("]")
+        port_text = tail.removeprefix(":")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, ""
+    if not host:
+        raise UsageError(f"--rdzv-endpoint {text!r} has no host")
+    if not port_text:
+        return host, DEFAULT_RDZV_PORT
+    try:
+        return host, _port("--rdzv-endpoint", int(port_text))
+    except ValueError:
+        raise UsageError(f"--rdzv-endpoint {text!r}: port is not an integer") from None
+
+
+def parse_join_timeout(conf: str) -> float:
+    """torchrun's ``--rdzv-conf k=v,...``: only join_timeout matters to us."""
+    timeout = DEFAULT_JOIN_TIMEOUT_S
+    for item in filter(None, (part.strip() for part in conf.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--rdzv-conf expects key=value pairs, got {item!r}")
+        if key.strip() == "join_timeout":
+            try:
+                timeout = float(value)
+            except ValueError:
+                raise UsageError(f"--rdzv-conf join_timeout={value!r} is not a number") from None
+            if timeout <= 0:
+                raise UsageError("--rdzv-conf join_timeout must be > 0")
+    return timeout
+
+
+def _port(flag: str, port: int) -> int:
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{flag}: port must be in 1..65535, got {port}")
+    return port
+
+
+def _non_negative(flag: str, value: int) -> None:
+    if value < 0:
+        raise UsageError(f"{flag} must be >= 0, got {value}")

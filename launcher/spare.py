@@ -1,0 +1,91 @@
+"""A warm spare: a Python process that has already paid for its imports, waiting for a rank.
+
+Started by the agent as ``python -u -m launcher.spare`` with the job-wide environment
+(no rank). It imports torch, torch.distributed and the runtime packages, then blocks
+on ONE JSON line from stdin::
+
+    {"env": {...}, "argv": ["train.py", "--lr", "1"], "module": false}
+
+On receipt it applies ``env``, sets ``sys.argv`` and runs the script as ``__main__``
+exactly as ``python -u train.py`` would (the script's directory first on
+``sys.path``), so the replacement skips interpreter start-up and ``import torch``.
+The exit status is the script's: ``SystemExit`` codes are kept and an uncaught
+exception prints its traceback and exits 1, as Python itself does.
+
+A spare prints nothing until assigned. EOF on stdin (the agent went away or is
+shutting the pool down) makes it exit 0 quietly, so spares never outlive their agent.
+
+Caveat: variables read only at import time (``CUDA_VISIBLE_DEVICES`` before CUDA
+initialises is fine; anything consumed by ``import torch`` itself is not) come from
+the job-wide environment, never from the rank's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import sys
+
+#: Imported before waiting; failures are ignored (a spare that cannot warm a package
+#: still saves the interpreter start, and the script will report the real error).
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "replication",
+    "recovery",
+    "recovery.runtime",
+    "dataloader_cache",
+)
+
+
+def warm_up() -> None:
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - warming is best effort; stay silent
+            continue
+
+
+def wait_for_assignment() -> dict | None:
+    """Block until the agent sends the rank's JSON line; None on EOF."""
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return None
+    return json.loads(line)
+
+
+def detach_stdin() -> None:
+    """After the assignment, stdin is ``/dev/null`` like any other worker's."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+
+
+def run_assigned(assignment: dict) -> None:
+    os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
+    argv = [str(a) for a in assignment["argv"]]
+    sys.argv = argv
+    if assignment.get("module"):
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        return
+    sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> int:
+    try:
+        warm_up()
+        assignment = wait_for_assignment()
+    except KeyboardInterrupt:
+        return 130
+    if assignment is None:
+        return 0
+    detach_stdin()
+    run_assigned(assignment)  # SystemExit and exceptions propagate as in `python script`
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The environment of a worker process: torchrun's variables plus the runtime's own.
+
+A script (or Lightning) must see an ordinary torchelastic launch, so every variable
+torchrun sets is set here with the same meaning. On top of that, the runtime gets the
+job store, its physical node, the run directory, its heartbeat file and the resolved
+config (the ``CHECKPOINTLESS_INTERNAL_*`` names from :mod:`recovery.protocol`).
+
+``TORCHELASTIC_USE_AGENT_STORE`` is ``True``, as torchrun's c10d rendezvous sets it:
+MASTER_ADDR/MASTER_PORT name the store node 0's agent already hosts, so a worker's
+``init_process_group("env://")`` must connect to it as a client. With ``False`` rank 0
+would try to host a second server on the same port and fail with EADDRINUSE.
+
+The environment is built in two layers: :meth:`JobEnv.base` (job-wide, no rank), which
+is also what a warm spare is started with, and :meth:`JobEnv.for_rank`, which a spare
+applies to itself on assignment. Only the rank layer may differ between processes of
+one node, so nothing a spare imported before assignment saw the wrong job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from launcher.config import RESERVED_ENV_PREFIX
+from recovery import protocol
+
+ROLE_NAME = "default"
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """Job-wide facts every worker of this agent gets."""
+
+    store_host: str
+    store_port: int
+    nproc: int
+    nnodes: int
+    node: int  # the physical node (agent) id, even for ranks taken over from another node
+    run_id: str
+    max_restarts: int
+    run_dir: str
+    config_json: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    def base(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The agent's environment plus everything that does not depend on the rank."""
+        src = os.environ if environ is None else environ
+        env = {k: v for k, v in src.items() if not k.startswith(RESERVED_ENV_PREFIX)}
+        if self.nproc > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not oversubscribe
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        env.update(
+            {
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.nproc),
+                "GROUP_WORLD_SIZE": str(self.nnodes),
+                "ROLE_WORLD_SIZE": str(self.world_size),
+                "ROLE_NAME": ROLE_NAME,
+                "MASTER_ADDR": self.store_host,
+                "MASTER_PORT": str(self.store_port),
+                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+                "TORCHELASTIC_RUN_ID": self.run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": str(True),
+                protocol.ENV_STORE: f"{self.store_host}:{self.store_port}",
+                protocol.ENV_NODE: str(self.node),
+                protocol.ENV_RUN_DIR: self.run_dir,
+                protocol.ENV_JOB_ID: self.run_id,
+                protocol.ENV_CONFIG: self.config_json,
+            }
+        )
+        return env
+
+    def rank_vars(
+        self,
+        *,
+        group_rank: int,
+        local_rank: int,
+        restart_count: int,
+        heartbeat: str,
+        replacement: bool,
+    ) -> dict[str, str]:
+        """The variables that differ per process (what a spare applies on assignment)."""
+        rank = group_rank * self.nproc + local_rank
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "GROUP_RANK": str(group_rank),
+            "ROLE_RANK": str(rank),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            protocol.ENV_HEARTBEAT: heartbeat,
+            protocol.ENV_REPLACEMENT: "1" if replacement else "0",
+        }
+
+    def for_rank(self, base: Mapping[str, str], **rank_kwargs) -> dict[str, str]:
+        """``base`` (from :meth:`base`) plus :meth:`rank_vars`: a fresh worker's env."""
+        return {**base, **self.rank_vars(**rank_kwargs)}

@@ -1,0 +1,191 @@
+"""Worker and warm-spare processes: start, hand a rank to, watch and stop them.
+
+Workers stay in the agent's process group, so killing that group (``os.killpg`` on an
+agent started in its own session) takes a whole "node" down with its workers and
+spares, which is how tests and chaos runs simulate the loss of a machine.
+
+Stdin of workers is ``/dev/null``: many processes sharing a terminal's input is never
+what anyone wants, and a spare's stdin is the pipe its assignment arrives on anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+SPARE_MODULE = "launcher.spare"
+
+
+def python_command(script: str, args: Iterable[str], module: bool) -> list[str]:
+    """What torchrun runs: ``python -u SCRIPT ...`` or ``python -u -m MODULE ...``."""
+    head = [sys.executable, "-u", "-m", script] if module else [sys.executable, "-u", script]
+    return [*head, *args]
+
+
+def make_heartbeat_file(path: str) -> None:
+    """Create the worker's heartbeat file with mtime 0, meaning "never beaten".
+
+    Hang detection is armed only once the worker touches the file, so a plain script
+    that never heard of heartbeats is supervised by its exit code alone instead of being
+    killed as hung.
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a"):
+        pass
+    os.utime(path, (0, 0))
+
+
+@dataclass
+class Worker:
+    """One process running one rank on this node."""
+
+    rank: int
+    local_rank: int
+    group_rank: int
+    proc: subprocess.Popen
+    heartbeat: str
+    restart_count: int
+    gen_seen: int  # the generation current when this process last showed life
+    spare: bool = False
+    last_mtime: float = 0.0
+    beat_seen_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def observe(self, gen: int, timeout_s: float) -> bool:
+        """Note a sign of life (recording ``gen``); True when the worker is hung.
+
+        ``gen`` must have been read before this call, so it was current while the
+        process was still alive. Armed workers prove life by touching their heartbeat
+        file; unarmed ones by merely running.
+        """
+        try:
+            mtime = os.stat(self.heartbeat).st_mtime
+        except OSError:
+            mtime = self.last_mtime
+        now = time.monotonic()
+        if mtime != self.last_mtime:
+            self.last_mtime, self.beat_seen_at, self.gen_seen = mtime, now, gen
+            return False
+        if self.last_mtime == 0.0:  # never beaten: not armed
+            self.gen_seen = gen
+            return False
+        return now - self.beat_seen_at > timeout_s
+
+    def kill(self) -> None:
+        """SIGKILL and reap; works on a SIGSTOPped process too."""
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+
+
+def exit_signal(returncode: int) -> str | None:
+    """The signal name for a negative Popen return code, else None."""
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"SIG{-returncode}"
+
+
+def spawn(cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM, wait up to ``grace_s``, then SIGKILL whatever is left (and reap it)."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(OSError):
+            p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                p.kill()
+            p.wait()
+
+
+class SparePool:
+    """Processes that have imported torch and the runtime and wait for a rank.
+
+    A spare turns into a worker when it receives one JSON line on stdin (see
+    :mod:`launcher.spare`), which saves a replacement the interpreter start and the
+    imports. The pool is refilled right after a spare is taken; a spare that dies while
+    idle is replaced, within a budget so that a spare that cannot even start does not
+    become a fork loop.
+    """
+
+    def __init__(
+        self, size: int, env: Mapping[str, str], emit: Callable[..., object]
+    ) -> None:
+        self.size = size
+        self._env = dict(env)
+        self._emit = emit
+        self._idle: list[subprocess.Popen] = []
+        self._restarts_left = 2 * size + 2
+
+    def fill(self) -> None:
+        while len(self._idle) < self.size:
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", SPARE_MODULE],
+                env=self._env, stdin=subprocess.PIPE,
+            )
+            self._idle.append(proc)
+            self._emit("spare_start", pid=proc.pid)
+
+    def maintain(self) -> None:
+        """Reap spares that died while idle and start new ones (within the budget)."""
+        for proc in [p for p in self._idle if p.poll() is not None]:
+            self._idle.remove(proc)
+            self._emit("spare_exit", pid=proc.pid, exitcode=proc.returncode)
+            if self._restarts_left <= 0:
+                self.size = len(self._idle)
+                self._emit("spare_pool_shrunk", size=self.size)
+                continue
+            self._restarts_left -= 1
+        self.fill()
+
+    def take(self) -> subprocess.Popen | None:
+        while self._idle:
+            proc = self._idle.pop(0)
+            if proc.poll() is None:
+                return proc
+        return None
+
+    @staticmethod
+    def assign(
+        proc: subprocess.Popen, env: Mapping[str, str], argv: list[str], module: bool
+    ) -> bool:
+        """Hand a rank to a spare; False if it died before it could take it."""
+        line = json.dumps({"env": dict(env), "argv": argv, "module": module}) + "\n"
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(line.encode())
+            proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Close the spares' stdin (they exit on EOF), then make sure they are gone."""
+        for proc in self._idle:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+        stop_processes(self._idle, grace_s=2.0)
+        self._idle.clear()
+
