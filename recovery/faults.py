@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from recovery.errors import InjectedFault
-from recovery.protocol import fault_key
+from recovery.protocol import COMMITTED_KEY, fault_key
+from replication.commit import committed_step
 
 PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery")
 KINDS = ("sigkill", "sigstop", "exception", "node")
@@ -87,7 +88,8 @@ class FaultInjector:
     def _fire(self, spec: FaultSpec) -> None:
         if self.log is not None:
             self.log.emit("fault_injected", fault=str(spec), rank=spec.rank, step=spec.step,
-                          phase=spec.phase, kind=spec.kind)
+                          phase=spec.phase, kind=spec.kind,
+                          committed=committed_step(self.store, COMMITTED_KEY))
         if spec.kind == "exception":
             raise InjectedFault(f"injected exception on rank {spec.rank} at step {spec.step} "
                                 f"({spec.phase})")

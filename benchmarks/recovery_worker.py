@@ -1,0 +1,155 @@
+"""The training job of ``bench_recovery``, in two modes over the same model and data.
+
+- ``--mode checkpointless``: under ``checkpointless run``, recovered in-process.
+- ``--mode dcp``: under plain ``torchrun``; a synchronous DCP checkpoint every N steps
+  and, on start, a resume from the newest one (the restart baseline).
+
+Both modes append ``{"rank", "step", "ts"}`` lines to ``<out>/progress.jsonl`` and
+write ``final_rank<r>.json`` (a digest of model and optimizer state) at the end, so
+the benchmark can time recoveries and check bit-identity across modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def build(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*mods)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def batch_for(step: int, rank: int, batch: int, width: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 7919 + rank)
+    return torch.randn(batch, width, generator=g)
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    for st in opt.state_dict()["state"].values():
+        for k in sorted(st):
+            v = st[k]
+            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+class Progress:
+    def __init__(self, out: Path, rank: int) -> None:
+        self.path, self.rank = out / "progress.jsonl", rank
+
+    def emit(self, **fields) -> None:
+        line = json.dumps({"rank": self.rank, "ts": time.time(), **fields}) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, line.encode())
+        os.close(fd)
+
+
+def train_step(model, opt, x, reduce) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    reduce()
+    opt.step()
+
+
+def run_checkpointless(args, out: Path) -> None:
+    from recovery import Checkpointless
+
+    rank = int(os.environ["RANK"])
+    prog = Progress(out, rank)
+    prog.emit(event="script_start")
+    model, opt = build(args.width, args.layers)
+    prog.emit(event="model_built")
+    cl = Checkpointless(model=model, optimizer=opt)
+
+    def step_fn(step: int) -> None:
+        train_step(model, opt, batch_for(step, rank, args.batch, args.width),
+                   lambda: cl.all_reduce_gradients(model))
+        prog.emit(step=step)
+
+    cl.run(step_fn, args.steps)
+    (out / f"final_rank{rank}.json").write_text(json.dumps({"digest": digest(model, opt),
+                                                            "step": cl.step}))
+
+
+def run_dcp(args, out: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(args.width, args.layers)
+    prog = Progress(out, rank)
+    ckpt_root = out / "dcp"
+    start = 1
+    done = sorted((int(p.name.split("_")[1]), p) for p in ckpt_root.glob("step_*")
+                  if (p / ".metadata").exists()) if ckpt_root.exists() else []
+    if done:
+        step0, path = done[-1]
+        # Adam's state exists only after a step: take one on a dummy batch, then overwrite.
+        train_step(model, opt, torch.zeros(1, args.width), lambda: None)
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
+        dcp.load(sd, checkpoint_id=str(path))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        torch.set_rng_state(sd["rng"])
+        start = step0 + 1
+        prog.emit(event="resumed_from", step=step0)
+
+    def reduce() -> None:
+        grads = [p.grad for p in model.parameters()]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat.div_(world)
+        for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(f)
+
+    for step in range(start, args.steps + 1):
+        if step == args.die_at and rank == 1 and not done:
+            prog.emit(event="kill", step=step)
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole torchrun job
+        train_step(model, opt, batch_for(step, rank, args.batch, args.width), reduce)
+        prog.emit(step=step)
+        if step % args.ckpt_every == 0:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd, "rng": torch.get_rng_state()},
+                     checkpoint_id=str(ckpt_root / f"step_{step}"))
+    (out / f"final_rank{rank}.json").write_text(json.dumps({"digest": digest(model, opt),
+                                                            "step": args.steps}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["checkpointless", "dcp"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--die-at", type=int, default=-1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (run_checkpointless if args.mode == "checkpointless" else run_dcp)(args, out)
+
+
+if __name__ == "__main__":
+    main()
