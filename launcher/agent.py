@@ -38,7 +38,11 @@ from launcher.config import CheckpointlessConfig, config_to_json
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
 from launcher.worker_procs import (
-    SparePool, Worker, exit_signal, make_heartbeat_file, python_command, spawn,
+    SparePool,
+    Worker,
+    exit_signal,
+    launch,
+    make_heartbeat_file,
     stop_processes,
 )
 from recovery import protocol
@@ -95,9 +99,13 @@ class Agent:
             return self._loop()
         except (rdzv.StoreUnavailable, JoinError) as exc:
             return self._stop() if self._signal is not None else self._failed(str(exc))
-        except (dist.DistError, TimeoutError) as exc:
+        except dist.DistError as exc:
             where = f"{self.args.host}:{self.args.port}"
             return self._failed(f"lost the job store at {where} ({rdzv.brief(exc)})")
+        except TimeoutError as exc:  # a declarer died half-way through declare_failure
+            with contextlib.suppress(dist.DistError, RuntimeError):
+                protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
+            return self._failed(f"the generation is stuck: {exc}")
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.stop()
@@ -139,30 +147,16 @@ class Agent:
         self.heartbeat.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         self._emit("agent_start", pid=os.getpid(), role=role, store=f"{a.host}:{port}")
-        self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, run dir {self.run_dir})")
+        self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, "
+                  f"run dir {self.run_dir})")
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
-        deadline = time.monotonic() + self.args.join_timeout_s
-        while True:
-            if self._signal is not None or protocol.fatal(self.store) is not None:
-                return False
-            owners = rdzv.owners(self.store, self.args.nnodes)
-            missing = [g for g, owner in owners.items() if owner is None]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                protocol.set_fatal(self.store, f"node ranks {missing} did not join within "
-                                   f"{self.args.join_timeout_s:.0f}s")
-                return False
-            self._wake.wait(0.1)
-        for owner in set(owners.values()):
-            info = rdzv.agent_info(self.store, owner)
-            if info and int(info["nproc"]) != self.args.nproc:
-                protocol.set_fatal(self.store, f"node {owner} runs {info['nproc']} workers but "
-                                   f"node {self.node} runs {self.args.nproc} (--nproc-per-node)")
-                return False
-        return True
+        problem = rdzv.wait_for_groups(self.store, self.args.nnodes, self.args.nproc,
+                                       self.args.join_timeout_s, lambda: self._signal is not None)
+        if problem:
+            protocol.set_fatal(self.store, problem)
+        return problem is None and self._signal is None and protocol.fatal(self.store) is None
 
     # --- the loop -------------------------------------------------------------------
     def _loop(self) -> int:
@@ -220,10 +214,10 @@ class Agent:
         self._on_failure(w, cause, detected)
 
     def _on_failure(self, w: Worker, cause: dict[str, Any], detected: float) -> None:
-        if protocol.fatal(self.store) is not None:
-            return  # the job is ending; this exit is part of it
+        if self._signal is not None or protocol.fatal(self.store) is not None:
+            return  # the job or this node is ending (a Ctrl-C reaches workers too)
         what = describe(cause)
-        self._log(f"{what}: recovering")
+        self._log(what)
         finished = protocol.done_count(self.store)
         if finished:
             protocol.set_fatal(self.store, f"{what} after {finished} of {self.args.world_size} "
@@ -260,18 +254,9 @@ class Agent:
         rank_vars = self.job.rank_vars(group_rank=group, local_rank=local,
                                        restart_count=restart_count, heartbeat=hb,
                                        replacement=replacement)
-        argv = [self.args.script, *self.args.script_args]
-        proc, spare = None, False
-        candidate = self.spares.take() if replacement else None
-        if candidate is not None:
-            if SparePool.assign(candidate, rank_vars, argv, self.args.module):
-                proc, spare = candidate, True
-            else:
-                stop_processes([candidate], grace_s=0.0)
-            self.spares.fill()  # refill now; Popen does not wait for the imports
-        if proc is None:
-            cmd = python_command(self.args.script, self.args.script_args, self.args.module)
-            proc = spawn(cmd, {**self.base_env, **rank_vars})
+        a = self.args
+        pool = self.spares if replacement else None  # the first launch starts fresh processes
+        proc, spare = launch(a.script, a.script_args, a.module, self.base_env, rank_vars, pool)
         gen = protocol.current_generation(self.store)
         self.workers[rank] = Worker(rank, local, group, proc, hb, restart_count, gen, spare)
         self._emit("worker_start", rank=rank, local_rank=local, group_rank=group, pid=proc.pid,
@@ -338,12 +323,12 @@ class Agent:
     def _done(self) -> int:
         self._stop_local()
         recoveries = protocol.recoveries(self.store)
-        step = _committed_step(self.store)
+        step = rdzv.committed_step(self.store)
         self._emit("job_done", recoveries=recoveries, committed_step=step)
-        self.store.set(protocol.agent_finished_key(self.node), "1")
+        self._mark_finished()
         step_text = f", committed step {step}" if step is not None else ""
-        self._log(f"job done: {self.args.world_size} ranks finished, {recoveries} "
-                  f"recoveries{step_text}; run dir {self.run_dir}")
+        self._log(f"job done: {self.args.world_size} ranks finished, recoveries: {recoveries}"
+                  f"{step_text}; run dir {self.run_dir}")
         self._linger(LINGER_S)
         return 0
 
@@ -423,10 +408,3 @@ def describe(cause: dict[str, Any]) -> str:
         return f"{where} was killed by {cause['signal']}"
     return f"{where} exited with code {cause.get('exitcode')}"
 
-
-def _committed_step(store: dist.Store) -> Any:
-    """The newest committed step, if the runtime recorded one (its format is its own)."""
-    if not store.check([protocol.COMMITTED_KEY]):
-        return None
-    raw = store.get(protocol.COMMITTED_KEY).decode()
-    return int(raw) if raw.strip().lstrip("-").isdigit() else raw

@@ -47,7 +47,9 @@ def host_store(host: str, port: int) -> dist.TCPStore:
             timeout=timedelta(seconds=OP_TIMEOUT_S),
         )
     except (dist.DistError, RuntimeError) as exc:
-        raise StoreUnavailable(f"cannot host the job store on {host}:{port}: {brief(exc)}") from None
+        raise StoreUnavailable(
+            f"cannot host the job store on {host}:{port}: {brief(exc)}"
+        ) from None
     protocol.init_generation(store)
     return store
 
@@ -139,6 +141,41 @@ def owners(store: dist.Store, ngroups: int) -> dict[int, int | None]:
     values = store.multi_get([keys[g] for g in present]) if present else []
     found = {g: int(v.decode()) for g, v in zip(present, values)}
     return {g: found.get(g) for g in range(ngroups)}
+
+
+def committed_step(store: dist.Store) -> int | str | None:
+    """The newest committed step, if the runtime recorded one (its format is its own)."""
+    if not store.check([protocol.COMMITTED_KEY]):
+        return None
+    raw = store.get(protocol.COMMITTED_KEY).decode()
+    return int(raw) if raw.strip().lstrip("-").isdigit() else raw
+
+
+def wait_for_groups(
+    store: dist.Store, ngroups: int, nproc: int, timeout_s: float, should_stop: Callable[[], bool]
+) -> str | None:
+    """Wait until every group has an agent (torchrun's rendezvous); the problem, if any.
+
+    Returns None when all groups are owned by agents with the same ``nproc`` (or when
+    ``should_stop`` or the fatal flag ends the wait: the caller checks those).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if should_stop() or protocol.fatal(store) is not None:
+            return None
+        found = owners(store, ngroups)
+        missing = [g for g, node in found.items() if node is None]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            return f"node ranks {missing} did not join within {timeout_s:.0f}s"
+        time.sleep(0.1)
+    for node in sorted(set(found.values())):
+        info = agent_info(store, node)
+        if info and int(info["nproc"]) != nproc:
+            return (f"node {node} runs {info['nproc']} workers per node but another runs "
+                    f"{nproc}: every agent needs the same --nproc-per-node")
+    return None
 
 
 class Heartbeat(threading.Thread):

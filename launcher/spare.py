@@ -22,11 +22,13 @@ the job-wide environment, never from the rank's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import runpy
 import sys
+import warnings
 
 #: Imported before waiting; failures are ignored (a spare that cannot warm a package
 #: still saves the interpreter start, and the script will report the real error).
@@ -41,11 +43,15 @@ WARM_MODULES = (
 
 
 def warm_up() -> None:
-    for name in WARM_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - warming is best effort; stay silent
-            continue
+    """Import what a worker will need, silently: a spare prints nothing until assigned."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
+            contextlib.redirect_stderr(sink), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in WARM_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                continue
 
 
 def wait_for_assignment() -> dict | None:

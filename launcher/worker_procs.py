@@ -102,6 +102,30 @@ def spawn(cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL)
 
 
+def launch(
+    script: str,
+    script_args: Iterable[str],
+    module: bool,
+    base_env: Mapping[str, str],
+    rank_vars: Mapping[str, str],
+    spares: SparePool | None,
+) -> tuple[subprocess.Popen, bool]:
+    """Start a rank: on an idle warm spare if ``spares`` has one, else a fresh process.
+
+    Returns the process and whether it was a spare. The pool is refilled at once
+    (``Popen`` does not wait for the new spare's imports).
+    """
+    candidate = spares.take() if spares is not None else None
+    if candidate is not None and spares is not None:
+        assigned = SparePool.assign(candidate, rank_vars, [script, *script_args], module)
+        spares.fill()
+        if assigned:
+            return candidate, True
+        stop_processes([candidate], grace_s=0.0)
+    cmd = python_command(script, script_args, module)
+    return spawn(cmd, {**base_env, **rank_vars}), False
+
+
 def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM, wait up to ``grace_s``, then SIGKILL whatever is left (and reap it)."""
     live = [p for p in procs if p.poll() is None]

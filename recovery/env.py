@@ -56,6 +56,6 @@ class WorkerEnv:
             run_dir=env.get(protocol.ENV_RUN_DIR) or os.path.join("runs", "standalone"),
             heartbeat_file=env.get(protocol.ENV_HEARTBEAT) or None,
             job_id=env.get(protocol.ENV_JOB_ID, "standalone"),
-            replacement=env.get("CHECKPOINTLESS_INTERNAL_REPLACEMENT", "0") == "1",
+            replacement=env.get(protocol.ENV_REPLACEMENT, "0") == "1",
             config_json=env.get(protocol.ENV_CONFIG) or None,
         )

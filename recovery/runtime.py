@@ -29,7 +29,8 @@ import torch.distributed as dist
 from recovery import process_groups, protocol
 from recovery.env import WorkerEnv
 from recovery.errors import FailureDetected, InjectedFault, RecoveryImpossible
-from recovery.faults import FaultInjector, parse_faults
+from recovery.fault_spec import parse_faults
+from recovery.faults import FaultInjector
 from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
 from recovery.settings import RuntimeSettings
 from recovery.transfer import receive_state, send_state

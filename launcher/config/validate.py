@@ -56,16 +56,16 @@ def _heartbeat_timeout_exceeds_interval(
 
 
 def _fault_spec_shape(cfg: CheckpointlessConfig, res: Resolution) -> list[Problem]:
+    from recovery.fault_spec import FaultSpecError, parse_faults
+
     fault = cfg.recovery.fault
-    if not fault:
-        return []
-    parts = fault.split(":")
-    rank_step_ok = len(parts) >= 2 and all(p.strip().isdigit() for p in parts[:2])
-    if 3 <= len(parts) <= 4 and rank_step_ok and all(p.strip() for p in parts):
-        return []
-    spec = _spec("recovery", "fault")
-    msg = f"got {short_repr(fault)}; expected 'rank:step:phase[:kind]' with integer rank and step"
-    return [Problem(spec.key, msg, res.source_of(spec))]
+    try:
+        parse_faults(fault)
+    except FaultSpecError as exc:
+        spec = _spec("recovery", "fault")
+        msg = f"got {short_repr(fault)}; expected 'rank:step:phase[:kind]' entries: {exc}"
+        return [Problem(spec.key, msg, res.source_of(spec))]
+    return []
 
 
 _CHECKS: list[tuple[tuple[tuple[str, str], ...], Check]] = [

@@ -1,0 +1,54 @@
+"""The fault-injection syntax, kept free of torch so the recipe validator can use it.
+
+Tests, benchmarks and users name faults as ``rank:step:phase[:kind]`` (several joined
+by ``;``) in ``recovery.fault`` or the ``CHECKPOINTLESS_RECOVERY_FAULT`` variable.
+Phases: ``step`` (start of the step), ``forward``, ``backward``, ``optimizer``,
+``snapshot``, ``replication`` and ``recovery`` (during a recovery). Kinds: ``sigkill``
+(default), ``sigstop`` (a hang), ``exception`` and ``node`` (the rank's whole node:
+its agent and every process in the agent's process group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery")
+KINDS = ("sigkill", "sigstop", "exception", "node")
+
+
+class FaultSpecError(ValueError):
+    """A malformed fault specification (the message names the part at fault)."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    phase: str
+    kind: str = "sigkill"
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.step}:{self.phase}:{self.kind}"
+
+
+def parse_faults(text: str) -> list[FaultSpec]:
+    """Parse ``rank:step:phase[:kind]`` entries separated by ``;``."""
+    specs = []
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        parts = item.split(":")
+        if len(parts) not in (3, 4):
+            raise FaultSpecError(f"fault {item!r}: expected rank:step:phase[:kind]")
+        try:
+            rank, step = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise FaultSpecError(f"fault {item!r}: rank and step must be integers") from None
+        phase = parts[2]
+        kind = parts[3] if len(parts) == 4 else "sigkill"
+        if phase not in PHASES:
+            raise FaultSpecError(f"fault {item!r}: phase {phase!r} not in {', '.join(PHASES)}")
+        if kind not in KINDS:
+            raise FaultSpecError(f"fault {item!r}: kind {kind!r} not in {', '.join(KINDS)}")
+        specs.append(FaultSpec(rank, step, phase, kind))
+    return specs
+
+

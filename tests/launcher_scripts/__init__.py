@@ -1,0 +1,1 @@
+"""Tiny worker scripts and a process harness for the ``checkpointless run`` tests."""

@@ -1,0 +1,115 @@
+"""``checkpointless run`` on one node, with real agents and workers.
+
+The workers are ``launcher_scripts/worker.py``: tiny processes that record their pid
+and environment, touch their heartbeat file, and wait for a ``finish`` file. A test
+makes one of them fail (exit 1 once, SIGSTOP, set the fatal flag) and checks that the
+agent replaced only that rank, or stopped the job with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.launcher_scripts.harness import WORKER, Agents, events, records, wait_for
+
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+@pytest.fixture
+def agents(tmp_path):
+    group = Agents(tmp_path)
+    yield group
+    group.close()
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def standalone(agents: Agents, tmp_path: Path, *flags: str, worker: tuple[str, ...] = ()):
+    run_dir = tmp_path / "run"
+    proc = agents.start("--standalone", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                        *flags, str(WORKER), "--out", str(tmp_path / "out"), *worker)
+    return proc, run_dir
+
+
+def test_torchrun_environment_and_env_init(agents, tmp_path, out):
+    (out / "finish").touch()
+    proc, run_dir = standalone(agents, tmp_path, worker=("--dist",))
+    assert agents.wait(proc) == 0, agents.log(proc)
+    for rank in (0, 1):
+        [rec] = records(out, rank)
+        env = rec["env"]
+        assert all(name in env for name in TORCHRUN_VARS)
+        assert (env["RANK"], env["LOCAL_RANK"], env["ROLE_RANK"]) == (str(rank),) * 3
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("2", "2", "0")
+        assert env["ROLE_NAME"] == "default" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert env["CHECKPOINTLESS_INTERNAL_STORE"] == f"127.0.0.1:{env['MASTER_PORT']}"
+        assert env["CHECKPOINTLESS_INTERNAL_NODE"] == "0"
+        assert env["CHECKPOINTLESS_INTERNAL_REPLACEMENT"] == "0"
+        assert env["CHECKPOINTLESS_INTERNAL_RUN_DIR"] == str(run_dir)
+        assert Path(env["CHECKPOINTLESS_INTERNAL_HEARTBEAT"]).parent == run_dir / "heartbeats"
+        assert '"run_dir"' in env["CHECKPOINTLESS_CONFIG_JSON"]
+        assert rec["all_reduce"] == 3.0  # init_process_group("gloo") through env:// works
+    names = [e["event"] for e in events(run_dir)]
+    assert names.count("worker_start") == 2 and names[-1] == "job_done"
+    assert "job done" in agents.log(proc)
+
+
+@pytest.mark.parametrize("spares", [0, 1])
+def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out, spares):
+    proc, run_dir = standalone(agents, tmp_path, "--spares", str(spares),
+                               worker=("--fail-once", "1", "--replacement-finishes"))
+    assert agents.wait(proc) == 0, agents.log(proc)
+    assert len(records(out, 0)) == 1  # rank 0 was never restarted
+    first, second = records(out, 1)
+    assert second["env"]["CHECKPOINTLESS_INTERNAL_REPLACEMENT"] == "1"
+    assert second["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert first["pid"] != second["pid"]
+    [assigned] = events(run_dir, "replacement_assigned")
+    assert assigned["rank"] == 1 and assigned["spare"] is bool(spares)
+    assert assigned["pid"] == second["pid"] and assigned["seconds_since_detection"] < 5
+    [declared] = events(run_dir, "failure_declared")
+    assert declared["gen"] == 1 and declared["cause"]["exitcode"] == 1
+
+
+def test_hung_worker_is_killed_and_replaced(agents, tmp_path, out):
+    proc, run_dir = standalone(agents, tmp_path, "recovery.heartbeat_timeout_s=2",
+                               worker=("--replacement-finishes",))
+    [rec] = wait_for(lambda: records(out, 1), 30, "rank 1 to start")
+    os.kill(rec["pid"], signal.SIGSTOP)
+    assert agents.wait(proc) == 0, agents.log(proc)
+    [hung] = events(run_dir, "worker_hung")
+    assert hung["rank"] == 1 and hung["pid"] == rec["pid"]
+    [assigned] = events(run_dir, "replacement_assigned")
+    assert assigned["rank"] == 1 and assigned["spare"] is False
+    assert len(records(out, 0)) == 1 and len(records(out, 1)) == 2
+
+
+def test_max_restarts_exceeded_fails_the_job(agents, tmp_path, out):
+    proc, run_dir = standalone(agents, tmp_path, "--max-restarts", "0",
+                               worker=("--fail-once", "1"))
+    assert agents.wait(proc) == 1
+    log = agents.log(proc)
+    assert "checkpointless: job failed: recovery.max_restarts=0 exceeded" in log
+    assert not events(run_dir, "replacement_assigned")
+    assert events(run_dir, "job_failed")
+
+
+def test_fatal_set_by_a_worker_stops_the_job(agents, tmp_path, out):
+    proc, _ = standalone(agents, tmp_path, worker=("--fatal", "0"))
+    assert agents.wait(proc) == 1
+    assert "checkpointless: job failed: rank 0 says the job cannot go on" in agents.log(proc)
