@@ -95,8 +95,10 @@ def declare_failure(
     nxt = observed_gen + 1
     if store.add(f"{gen_prefix(nxt)}/declared", 1) == 1:
         store.set(cause_key(nxt), json.dumps(cause))
-        store.compare_set(GEN_KEY, str(observed_gen), str(nxt))
         store.add(RECOVERIES_KEY, 1)
+    # Every declarer advances the counter (idempotent), so a first declarer that dies
+    # between its claim and the advance cannot leave the job stuck in a dead generation.
+    store.compare_set(GEN_KEY, str(observed_gen), str(nxt))
     deadline = time.monotonic() + timeout_s
     while (gen := current_generation(store)) <= observed_gen:
         if time.monotonic() > deadline:
