@@ -191,6 +191,11 @@ class Agent:
             self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)
+            elif self.store.check([protocol.trained_key(w.rank)]):
+                # Its last step was committed everywhere; a crash on the way out loses
+                # nothing and must not start a recovery the finished ranks cannot join.
+                self._log(f"rank {w.rank} exited with {sig or code} after training finished")
+                self._record_done(w.rank)
             elif code == protocol.EXIT_FATAL:
                 if protocol.fatal(self.store) is None:
                     protocol.set_fatal(self.store, f"rank {w.rank} exited with EXIT_FATAL "
@@ -207,6 +212,10 @@ class Agent:
         self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for {silent:.1f}s: killing it")
         w.kill()
         del self.workers[w.rank]
+        if self.store.check([protocol.trained_key(w.rank)]):
+            self._log(f"rank {w.rank} stalled on its way out after training finished")
+            self._record_done(w.rank)
+            return
         self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=w.proc.returncode,
                    signal=exit_signal(w.proc.returncode))
         cause = {"kind": "worker_hung", "rank": w.rank, "node": self.node,

@@ -197,6 +197,12 @@ AGENTS_KEY = f"{PREFIX}/agents"
 DONE_COUNT_KEY = f"{DONE_PREFIX}/count"
 
 
+def trained_key(rank: int) -> str:
+    """Set by a worker once its last step is committed: whatever it does after that
+    (saving, exiting) can no longer need a recovery."""
+    return f"{PREFIX}/trained/{rank}"
+
+
 def done_key(rank: int) -> str:
     return f"{DONE_PREFIX}/{rank}"
 

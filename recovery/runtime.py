@@ -17,6 +17,7 @@ goes on. The step function never sees generations, process groups or new ranks.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
@@ -82,6 +83,8 @@ class Checkpointless:
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self.watchdog.start(self.gen)
+        # Stop it before interpreter teardown destroys the store it polls under it.
+        atexit.register(self.watchdog.stop)
         if self.env.replacement or self.gen > 0:
             self.start_step = self._recover({"kind": "replacement"}, newcomer=True) + 1
         else:
@@ -160,8 +163,10 @@ class Checkpointless:
     def _finish(self) -> None:
         assert self.replicator is not None
         self.replicator.wait()
+        self.store.set(protocol.trained_key(self.rank), str(self.step))
         self.log.emit("worker_done", step=self.step, gen=self.gen)
-        self.watchdog.stop()
+        # The watchdog keeps beating until the process exits: the script may still have
+        # work to do after training (saving, evaluation), and a silent rank looks hung.
         self.replicator.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -66,3 +66,5 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)

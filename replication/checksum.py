@@ -23,14 +23,21 @@ def digest(t: torch.Tensor) -> str:
 
 
 class Hasher:
-    """Streaming digest over consecutive byte ranges; equal to :func:`digest` of the whole."""
+    """Streaming digest over consecutive byte ranges; equal to :func:`digest` of the whole.
+
+    Ranges may be tensors or plain bytes (a segment's digest ends with the bytes of its
+    skeleton and layout, see ``snapshot.segment_digest``).
+    """
 
     def __init__(self) -> None:
         self._h = xxhash.xxh3_128()
 
-    def update(self, t: torch.Tensor) -> None:
-        if t.numel():
-            self._h.update(tensor_bytes(t))
+    def update(self, data: torch.Tensor | bytes | memoryview) -> None:
+        if isinstance(data, torch.Tensor):
+            if data.numel():
+                self._h.update(tensor_bytes(data))
+        elif len(data):
+            self._h.update(data)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

@@ -64,10 +64,23 @@ def encode(obj: Any, on_tensor: Callable[[torch.Tensor, str], int]) -> Any:
     ``on_tensor(tensor, path)`` returns the index under which the tensor's bytes are
     stored; the skeleton keeps only that index.
     """
-    return _encode(obj, "", on_tensor)
+    try:
+        return _encode(obj, "", on_tensor)
+    except RecursionError:
+        raise CodecError("state is nested too deeply for a snapshot") from None
+
+
+# Kinds of numpy scalars whose ``.item()`` is a JSON value the scalar can be rebuilt from
+# exactly: bool, signed/unsigned int, float, str. (complex, datetime, bytes, void, object
+# are refused rather than silently changed.)
+_NP_SCALAR_KINDS = {"b": bool, "i": int, "u": int, "f": float, "U": str}
 
 
 def _encode(obj: Any, path: str, on_tensor: Callable[[torch.Tensor, str], int]) -> Any:
+    # numpy first: np.float64 subclasses float and np.str_ subclasses str, so the plain
+    # checks below would silently turn them into python values.
+    if np is not None and isinstance(obj, (np.ndarray, np.generic)):
+        return _encode_numpy(obj, path, on_tensor)
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -97,58 +110,149 @@ def _encode(obj: Any, path: str, on_tensor: Callable[[torch.Tensor, str], int]) 
         return {"B": base64.b64encode(obj).decode("ascii")}
     if isinstance(obj, (set, frozenset)):
         return {"set": [_encode(v, f"{path}/{i}", on_tensor) for i, v in enumerate(obj)]}
-    if np is not None:
-        if isinstance(obj, np.ndarray):
-            return {"np": on_tensor(torch.from_numpy(np.ascontiguousarray(obj)), path)}
-        if isinstance(obj, np.generic):
-            return {"ns": [obj.dtype.str, obj.item()]}
     raise CodecError(
         f"state value at {path or '/'} has type {type(obj).__qualname__}, which snapshots "
         "cannot store; keep state to tensors, numbers, strings and dict/list/tuple of them"
     )
 
 
+def _encode_numpy(obj: Any, path: str, on_tensor: Callable[[torch.Tensor, str], int]) -> Any:
+    where = path or "/"
+    if isinstance(obj, np.ndarray):
+        try:
+            # ascontiguousarray returns at least 1-d: reshape keeps a 0-d array 0-d.
+            tensor = torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
+        except (TypeError, ValueError) as exc:  # str/object dtypes, non-native byte order
+            raise CodecError(
+                f"numpy array at {where} has dtype {obj.dtype}, which snapshots cannot "
+                f"store ({exc})"
+            ) from None
+        return {"np": on_tensor(tensor, path)}
+    kind = _NP_SCALAR_KINDS.get(obj.dtype.kind)
+    value = obj.item() if kind is not None else None
+    if kind is None or type(value) is not kind:  # e.g. longdouble.item() stays numpy
+        raise CodecError(
+            f"numpy scalar at {where} has type {type(obj).__qualname__}, which snapshots "
+            "cannot store"
+        )
+    return {"ns": [obj.dtype.str, value]}
+
+
 def decode(data: Any, tensor_at: Callable[[int], torch.Tensor]) -> Any:
-    """Rebuild the tree from tagged data; ``tensor_at(i)`` supplies tensor ``i``."""
+    """Rebuild the tree from tagged data; ``tensor_at(i)`` supplies tensor ``i``.
+
+    ``data`` may come from a damaged file or a faulty peer, so every tagged node is
+    type-checked: anything malformed raises :class:`CodecError`, never another error.
+    """
+    try:
+        return _decode(data, tensor_at)
+    except RecursionError:
+        raise CodecError("snapshot skeleton is nested too deeply") from None
+
+
+_NONFINITE = ("nan", "inf", "-inf")  # the only strings the encoder writes under "f"
+
+
+def _decode(data: Any, tensor_at: Callable[[int], torch.Tensor]) -> Any:
     if data is None or isinstance(data, (bool, int, float, str)):
         return data
-    if isinstance(data, dict) and len(data) == 1:
-        (tag, val), = data.items()
-        if tag == "t":
-            return tensor_at(val)
-        if tag == "D":
-            return {decode(k, tensor_at): decode(v, tensor_at) for k, v in val}
-        if tag == "L":
-            return [decode(v, tensor_at) for v in val]
-        if tag == "T":
-            return tuple(decode(v, tensor_at) for v in val)
-        if tag == "f":
-            return float(val)
-        if tag == "dt":
-            return dtype_from_name(val)
-        if tag == "S":
-            return torch.Size(val)
-        if tag == "dev":
+    if not isinstance(data, dict) or len(data) != 1:
+        raise _malformed(data)
+    (tag, val), = data.items()
+    if tag in ("D", "L", "T", "S", "set", "ns"):
+        _require(isinstance(val, list), data)
+    if tag == "t":
+        return tensor_at(_index(val, data))
+    if tag == "D":
+        _require(all(isinstance(kv, list) and len(kv) == 2 for kv in val), data)
+        return {
+            _hashable(_decode(k, tensor_at), data): _decode(v, tensor_at) for k, v in val
+        }
+    if tag == "L":
+        return [_decode(v, tensor_at) for v in val]
+    if tag == "T":
+        return tuple(_decode(v, tensor_at) for v in val)
+    if tag == "set":
+        return {_hashable(_decode(v, tensor_at), data) for v in val}
+    if tag == "f":
+        _require(isinstance(val, str) and val in _NONFINITE, data)
+        return float(val)
+    if tag == "dt":
+        _require(isinstance(val, str), data)
+        return dtype_from_name(val)
+    if tag == "S":
+        _require(all(_is_int(d) and 0 <= d < 2**63 for d in val), data)
+        return torch.Size(val)
+    if tag == "dev":
+        _require(isinstance(val, str), data)
+        try:
             return torch.device(val)
-        if tag == "B":
-            return base64.b64decode(val)
-        if tag == "set":
-            return {decode(v, tensor_at) for v in val}
-        if tag == "np" and np is not None:
-            return tensor_at(val).numpy().copy()
-        if tag == "ns" and np is not None:
-            return np.dtype(val[0]).type(val[1])
-    raise CodecError(f"malformed snapshot skeleton node: {str(data)[:80]!r}")
+        except (RuntimeError, ValueError, TypeError):
+            raise _malformed(data) from None
+    if tag == "B":
+        _require(isinstance(val, str), data)
+        try:
+            return base64.b64decode(val, validate=True)
+        except ValueError:
+            raise _malformed(data) from None
+    if tag == "np" and np is not None:
+        tensor = tensor_at(_index(val, data))
+        try:
+            return tensor.numpy().copy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): not written by the encoder
+            raise _malformed(data) from None
+    if tag == "ns" and np is not None:
+        _require(len(val) == 2 and isinstance(val[0], str), data)
+        try:
+            dtype = np.dtype(val[0])
+        except TypeError:
+            raise _malformed(data) from None
+        _require(type(val[1]) is _NP_SCALAR_KINDS.get(dtype.kind), data)
+        try:
+            return dtype.type(val[1])
+        except (OverflowError, ValueError):
+            raise _malformed(data) from None
+    raise _malformed(data)
+
+
+def _malformed(data: Any) -> CodecError:
+    return CodecError(f"malformed snapshot skeleton node: {str(data)[:80]!r}")
+
+
+def _require(ok: bool, data: Any) -> None:
+    if not ok:
+        raise _malformed(data)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _index(val: Any, data: Any) -> int:
+    _require(_is_int(val), data)
+    return val
+
+
+def _hashable(key: Any, data: Any) -> Any:
+    """Dict keys and set members must hash; a damaged skeleton may decode to a list."""
+    try:
+        hash(key)
+    except TypeError:
+        raise _malformed(data) from None
+    return key
 
 
 def dumps(data: Any) -> bytes:
     """Serialise encoded skeleton data compactly (floats round-trip exactly)."""
-    return json.dumps(data, separators=(",", ":")).encode("utf-8")
+    try:
+        return json.dumps(data, separators=(",", ":")).encode("utf-8")
+    except (ValueError, RecursionError) as exc:  # ints past json's digit limit, deep trees
+        raise CodecError(f"state cannot be written as a snapshot skeleton: {exc}") from None
 
 
 def loads(raw: bytes) -> Any:
     """Parse bytes written by :func:`dumps`."""
     try:
         return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CodecError(f"snapshot skeleton is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
+        raise CodecError(f"snapshot skeleton is not valid JSON: {exc!r}"[:200]) from None

@@ -11,6 +11,8 @@ checksums pinpoint which entry is corrupted.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,17 @@ class SegmentLayout:
     offset: int
     nbytes: int
     tensors: tuple[TensorSpec, ...]
+
+    @functools.cached_property
+    def spec_bytes(self) -> bytes:
+        """Canonical bytes of where and what this segment's tensors are (no newline).
+
+        Covered by the segment's checksum: a damaged shape or offset would otherwise
+        pass and restore the right bytes as the wrong tensors. Cached, since a slot
+        keeps its layout across steps.
+        """
+        specs = [[t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors]
+        return json.dumps([self.nbytes, specs], separators=(",", ":")).encode("ascii")
 
 
 @dataclass(frozen=True)
@@ -90,16 +103,32 @@ class SnapshotLayout:
                 for s in data["segments"]
             )
             layout = SnapshotLayout(segments=segments, nbytes=int(data["nbytes"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise codec.CodecError(f"malformed snapshot layout: {exc!r}") from None
+        # OverflowError: int(Infinity); RecursionError: absurdly nested JSON.
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise codec.CodecError(f"malformed snapshot layout: {exc!r}"[:200]) from None
         layout.validate()
         return layout
 
     def validate(self) -> None:
-        """Refuse layouts whose ranges overlap or overflow (e.g. from a bad peer)."""
+        """Refuse layouts whose ranges overlap or overflow (e.g. from a bad peer).
+
+        Negative offsets, sizes or dims must be refused too: a negative slice bound
+        wraps around, and the restore would fail far from the cause (or read the wrong
+        bytes). Dims must also fit torch's int64 sizes, and offsets keep the alignment
+        :func:`flatten` gives them (a misaligned offset cannot be viewed as its dtype).
+        """
         end = 0
+        if self.nbytes < 0:
+            raise codec.CodecError(f"snapshot size {self.nbytes} is negative")
+        if len({seg.name for seg in self.segments}) != len(self.segments):
+            raise codec.CodecError("snapshot layout names a segment twice")
         for seg in self.segments:
-            if seg.offset < end or seg.offset + seg.nbytes > self.nbytes:
+            if (
+                seg.nbytes < 0
+                or seg.offset < end
+                or seg.offset % SEGMENT_ALIGN
+                or seg.offset + seg.nbytes > self.nbytes
+            ):
                 raise codec.CodecError(f"segment {seg.name!r} lies outside the snapshot")
             end = seg.offset + seg.nbytes
             for t in seg.tensors:
@@ -107,7 +136,14 @@ class SnapshotLayout:
                 numel = 1
                 for d in t.shape:
                     numel *= d
-                if t.offset + t.nbytes > seg.nbytes or numel * dt.itemsize != t.nbytes:
+                if (
+                    t.offset < 0
+                    or t.offset % TENSOR_ALIGN
+                    or t.nbytes < 0
+                    or not all(0 <= d < 2**63 for d in t.shape)
+                    or t.offset + t.nbytes > seg.nbytes
+                    or numel * dt.itemsize != t.nbytes
+                ):
                     raise codec.CodecError(f"tensor in segment {seg.name!r} is malformed")
 
 
@@ -142,7 +178,11 @@ def flatten(states: dict[str, Any]) -> FlatState:
             if t.is_sparse or t.is_quantized:
                 raise codec.CodecError(f"{_name}{path}: sparse/quantized tensors are not supported")
             nbytes = t.numel() * t.element_size()
-            _specs.append(TensorSpec(codec.dtype_name(t.dtype), tuple(t.shape), cursor, nbytes))
+            try:
+                dtype = codec.dtype_name(t.dtype)
+            except codec.CodecError as exc:
+                raise codec.CodecError(f"at {path or '/'}: {exc}") from None
+            _specs.append(TensorSpec(dtype, tuple(t.shape), cursor, nbytes))
             all_tensors.append(t)
             cursor = _align(cursor + nbytes, TENSOR_ALIGN)
             return len(_specs) - 1
@@ -176,7 +216,13 @@ def segment_views(seg_buffer: torch.Tensor, seg: SegmentLayout) -> list[torch.Te
 
 
 def unflatten_segment(seg_buffer: torch.Tensor, seg: SegmentLayout, skeleton: bytes) -> Any:
-    """Rebuild one entry's state dict; its tensors alias ``seg_buffer``."""
+    """Rebuild one entry's state dict; its tensors alias ``seg_buffer``.
+
+    Raises :class:`codec.CodecError` for any malformed skeleton (it may come from a peer).
+    """
+    if seg_buffer.numel() < seg.nbytes:
+        raise codec.CodecError(f"segment {seg.name!r} needs {seg.nbytes} bytes, "
+                               f"got {seg_buffer.numel()}")
     views = segment_views(seg_buffer, seg)
 
     def tensor_at(i: int) -> torch.Tensor:

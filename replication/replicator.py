@@ -20,6 +20,7 @@ uncommitted and is raised in the training thread at the next call.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +43,13 @@ from replication.memory import (
 )
 from replication.placement import place_replicas, sources_of
 from replication.replicas import ReplicaStore
-from replication.snapshot import SnapshotEngine, SnapshotMeta, SnapshotSlot, verify_segments
+from replication.snapshot import (
+    SnapshotEngine,
+    SnapshotMeta,
+    SnapshotSlot,
+    segment_trailer,
+    verify_segments,
+)
 from replication.state import TrainingState
 from replication.transport import SideChannel, TransportError
 
@@ -136,6 +143,10 @@ class Replicator:
         )
         nodes = self.channel.allgather(torch.tensor([node], dtype=torch.int64))
         self.node_of_rank = [int(t.item()) for t in nodes]
+        if self.config.factor > world_size:
+            log.warning("replication.factor=%d but the job has %d process(es): keeping %d "
+                        "copies", self.config.factor, world_size, world_size)
+            self.config = dataclasses.replace(self.config, factor=world_size)
         self.holders = place_replicas(
             self.node_of_rank, self.config.factor, self.config.placement, allow_same_node=True
         )
@@ -279,7 +290,10 @@ class Replicator:
         for h in self.holders[self.rank]:
             sends += self.channel.post_send(meta_t, h, _META_TAG, len(meta_bytes))
             for i, seg in enumerate(meta.layout.segments):
-                if self.config.dedupe and _fingerprint(meta, i) in peers[h][2]:
+                # Tensor-less segments travel entirely inside the metadata.
+                if seg.nbytes == 0 or (
+                    self.config.dedupe and _fingerprint(meta, i) in peers[h][2]
+                ):
                     skipped += 1
                     continue
                 seg_bytes = slot.segment_bytes(seg.name)
@@ -301,6 +315,9 @@ class Replicator:
         shared: set[str] = set()
         received = 0
         for i, seg in enumerate(meta.layout.segments):
+            if seg.nbytes == 0:
+                pending.append((seg.name, []))  # only its skeleton and layout to verify
+                continue
             if self.config.dedupe and _fingerprint(meta, i) in my_fps:
                 shared.add(seg.name)
                 continue
@@ -316,6 +333,8 @@ class Replicator:
             for work, chunk in chunks:
                 self.channel.wait([work], f"replica of rank {src}")
                 hasher.update(chunk)
+            # The digest also covers the skeleton and layout: see snapshot.segment_digest.
+            hasher.update(segment_trailer(meta.layout.segment(name), meta.skeletons[name]))
             if hasher.hexdigest() != meta.digests.get(name):
                 raise ChecksumMismatch(
                     f"replica of rank {src} at step {meta.step}: segment {name!r} arrived "

@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from replication import checksum
-from replication.layout import FlatState, SnapshotLayout, flatten, tensor_views, unflatten_segment
+from replication import checksum, codec
+from replication.layout import (
+    FlatState,
+    SegmentLayout,
+    SnapshotLayout,
+    flatten,
+    tensor_views,
+    unflatten_segment,
+)
 from replication.state import TrainingState
 
 
@@ -37,7 +44,16 @@ class SnapshotMeta:
     step: int
     layout: SnapshotLayout
     skeletons: dict[str, bytes]
-    digests: dict[str, str]  # per segment, xxh3-128 of its bytes
+    digests: dict[str, str]  # per segment: segment_digest(its bytes, layout, skeleton)
+
+    def __post_init__(self) -> None:
+        # Every segment needs its skeleton to be restored and its digest to be verified.
+        names = {seg.name for seg in self.layout.segments}
+        if set(self.skeletons) != names or set(self.digests) != names:
+            raise SnapshotError(
+                f"snapshot metadata of step {self.step}: segments {sorted(names)}, "
+                f"skeletons {sorted(self.skeletons)}, digests {sorted(self.digests)}"
+            )
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -52,16 +68,28 @@ class SnapshotMeta:
 
     @staticmethod
     def from_bytes(raw: bytes) -> SnapshotMeta:
+        """Parse :meth:`to_bytes` output; anything malformed raises :class:`SnapshotError`.
+
+        The bytes may come from a faulty peer, so the checks stop every way they can be
+        wrong here rather than as a stray error deep inside a restore.
+        """
         try:
             data = json.loads(raw.decode("utf-8"))
+            skeletons, digests = data["skeletons"], data["digests"]
+            if not all(isinstance(v, str) for v in [*skeletons.values(), *digests.values()]):
+                raise TypeError("skeletons and digests must be strings")
             return SnapshotMeta(
                 step=int(data["step"]),
                 layout=SnapshotLayout.from_json(data["layout"]),
-                skeletons={str(k): str(v).encode("utf-8") for k, v in data["skeletons"].items()},
-                digests={str(k): str(v) for k, v in data["digests"].items()},
+                skeletons={str(k): v.encode("utf-8") for k, v in skeletons.items()},
+                digests={str(k): v for k, v in digests.items()},
             )
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise SnapshotError(f"malformed snapshot metadata: {exc!r}") from None
+        # ValueError covers bad UTF-8 and JSON; OverflowError: int(Infinity); RecursionError:
+        # absurdly nested JSON; TypeError includes CodecError (a malformed layout).
+        except (
+            ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError
+        ) as exc:
+            raise SnapshotError(f"malformed snapshot metadata: {exc!r}"[:300]) from None
 
 
 @dataclass
@@ -101,13 +129,39 @@ def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
 HASH_CHUNK = 1 << 20  # bytes hashed while still in cache after their copy
 
 
+def segment_trailer(seg: SegmentLayout, skeleton: bytes) -> bytes:
+    """What a segment's checksum covers after its buffer bytes: see :func:`segment_digest`."""
+    return skeleton + b"\n" + seg.spec_bytes
+
+
+def segment_digest(seg_bytes: torch.Tensor, seg: SegmentLayout, skeleton: bytes) -> str:
+    r"""The checksum recorded for one segment in :attr:`SnapshotMeta.digests`.
+
+    Defined as the hex xxh3-128 of the segment's buffer bytes (all ``seg.nbytes``,
+    padding included, in buffer order) immediately followed by
+    :func:`segment_trailer`: the skeleton bytes (``SnapshotMeta.skeletons[name]``, its
+    UTF-8 JSON), one ``b"\n"``, then ``seg.spec_bytes`` (the compact JSON
+    ``[seg.nbytes, [[dtype, shape, offset, nbytes], ...]]``). Tensor bytes alone are
+    not enough: the skeleton holds the non-tensor state (step counters, learning
+    rates) and the layout says which bytes form which tensor, and damage to either
+    would otherwise restore silently. The trailer comes last so that a receiver can
+    stream the segment's chunks through a :class:`checksum.Hasher` as they land and
+    then ``update`` it with the trailer; compact JSON holds no raw newline, so the
+    separator keeps skeleton and layout apart.
+    """
+    hasher = checksum.Hasher()
+    hasher.update(seg_bytes)
+    hasher.update(segment_trailer(seg, skeleton))
+    return hasher.hexdigest()
+
+
 def copy_and_digest(slot: SnapshotSlot, flat: FlatState) -> dict[str, str]:
     """Copy host tensors into ``slot`` and checksum each segment in the same pass.
 
     Hashing each chunk right after copying it reads it from cache rather than DRAM,
     which costs a fraction of a second pass over the buffer. The digest covers the
-    segment's bytes in buffer order, padding included, so it equals
-    :func:`compute_digests` of the finished buffer.
+    segment's bytes in buffer order, padding included, then its small trailer (skeleton
+    and layout), so it equals :func:`segment_digest` of the finished buffer.
     """
     assert slot.buffer is not None and slot.layout is not None
     digests: dict[str, str] = {}
@@ -135,25 +189,34 @@ def copy_and_digest(slot: SnapshotSlot, flat: FlatState) -> dict[str, str]:
                 hasher.update(seg_bytes[hashed:end])
                 hashed = end
         hasher.update(seg_bytes[hashed:])
+        hasher.update(segment_trailer(seg, flat.skeletons[seg.name]))
         digests[seg.name] = hasher.hexdigest()
     return digests
 
 
-def compute_digests(buffer: torch.Tensor, layout: SnapshotLayout) -> dict[str, str]:
-    """Per-segment checksums of a host buffer."""
+def compute_digests(
+    buffer: torch.Tensor, layout: SnapshotLayout, skeletons: dict[str, bytes]
+) -> dict[str, str]:
+    """Per-segment checksums (:func:`segment_digest`) of a host buffer and its skeletons."""
     return {
-        s.name: checksum.digest(buffer[s.offset : s.offset + s.nbytes]) for s in layout.segments
+        s.name: segment_digest(buffer[s.offset : s.offset + s.nbytes], s, skeletons[s.name])
+        for s in layout.segments
     }
 
 
 def verify_segments(
     buffer: torch.Tensor, meta: SnapshotMeta, names: list[str] | None = None
 ) -> None:
-    """Raise :class:`checksum.ChecksumMismatch` naming the first corrupted segment."""
+    """Raise :class:`checksum.ChecksumMismatch` naming the first corrupted segment.
+
+    Each segment's bytes, skeleton and layout are checked (:func:`segment_digest`).
+    """
     for seg in meta.layout.segments:
         if names is not None and seg.name not in names:
             continue
-        got = checksum.digest(buffer[seg.offset : seg.offset + seg.nbytes])
+        got = segment_digest(
+            buffer[seg.offset : seg.offset + seg.nbytes], seg, meta.skeletons[seg.name]
+        )
         if got != meta.digests.get(seg.name):
             raise checksum.ChecksumMismatch(
                 f"snapshot of step {meta.step}: segment {seg.name!r} checksum {got} "
@@ -162,14 +225,24 @@ def verify_segments(
 
 
 def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta) -> None:
-    """Verify ``buffer`` against ``meta`` and load it into the live objects."""
+    """Verify ``buffer`` against ``meta`` and load it into the live objects.
+
+    Everything is decoded before anything is loaded, so a malformed snapshot raises
+    :class:`SnapshotError` (or ``ChecksumMismatch``) and leaves the live state untouched.
+    """
+    if buffer.numel() < meta.layout.nbytes:
+        raise SnapshotError(f"snapshot of step {meta.step} needs {meta.layout.nbytes} "
+                            f"bytes, buffer holds {buffer.numel()}")
     verify_segments(buffer, meta)
-    states = {
-        seg.name: unflatten_segment(
-            buffer[seg.offset : seg.offset + seg.nbytes], seg, meta.skeletons[seg.name]
-        )
-        for seg in meta.layout.segments
-    }
+    states = {}
+    for seg in meta.layout.segments:
+        seg_bytes = buffer[seg.offset : seg.offset + seg.nbytes]
+        try:
+            states[seg.name] = unflatten_segment(seg_bytes, seg, meta.skeletons[seg.name])
+        except codec.CodecError as exc:
+            raise SnapshotError(
+                f"snapshot of step {meta.step}: segment {seg.name!r} cannot be decoded: {exc}"
+            ) from None
     state.restore(states)
 
 
@@ -260,7 +333,7 @@ class SnapshotEngine:
             slot.copy_done = None
         assert slot.buffer is not None and slot.layout is not None
         if slot.digests is None:
-            slot.digests = compute_digests(slot.buffer, slot.layout)
+            slot.digests = compute_digests(slot.buffer, slot.layout, slot.skeletons)
         return slot.meta()
 
     # -- commit bookkeeping ------------------------------------------------------------

@@ -4,6 +4,8 @@ double buffering, and checksum verification (single process)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import random
 from collections.abc import Callable
 from typing import Any
@@ -12,10 +14,17 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 from replication import checksum, codec
-from replication.snapshot import SnapshotEngine, SnapshotError, compute_digests
+from replication.snapshot import (
+    SnapshotEngine,
+    SnapshotError,
+    compute_digests,
+    segment_trailer,
+    verify_segments,
+)
 from replication.state import TrainingState
 from tests.helpers.training import (
     assert_tree_equal,
@@ -146,9 +155,10 @@ class Zoo:
                 "bool": np.array([True, False]),
                 "empty": np.zeros((0, 3), np.uint8),
                 "special": np.array([np.nan, np.inf, -0.0]),
-                # (0-d arrays: see test_codec.py::test_zero_d_numpy_array_keeps_its_shape)
+                "zero_d": np.array(2.5),
             },
-            "np_scalars": [np.int64(5), np.float32(1.5), np.bool_(True)],
+            "np_scalars": [np.int64(5), np.float32(1.5), np.bool_(True), np.float64(0.5),
+                           np.str_("np")],
             "tag_lookalikes": {"t": 0, "D": [1], "f": "nan", "B": "AA==", "np": 1},
             "tensor": torch.arange(4.0),
             "set": {1, 2, 3},
@@ -346,7 +356,41 @@ def test_large_tensors_checksummed_during_copy_match_the_buffer():
     engine = SnapshotEngine(state)
     slot = engine.capture(0)
     meta = engine.seal(slot)
-    assert meta.digests == compute_digests(slot.buffer, slot.layout)
+    assert meta.digests == compute_digests(slot.buffer, slot.layout, slot.skeletons)
     holder.d = {}
     engine.restore(0)
     assert_tree_equal(holder.d, expected)
+
+
+def test_segment_digest_is_xxh3_of_bytes_then_skeleton_newline_layout():
+    """Pins the digest definition a receiver relies on: stream the segment's chunks
+    through a Hasher as they arrive, then update it with segment_trailer()."""
+    engine, model, opt = _engine_with_model()
+    train_step(model, opt)
+    slot = engine.capture(1)
+    meta = engine.seal(slot)
+    for seg in meta.layout.segments:
+        raw = slot.segment_bytes(seg.name).numpy().tobytes()
+        specs = [[t.dtype, list(t.shape), t.offset, t.nbytes] for t in seg.tensors]
+        layout_json = json.dumps([seg.nbytes, specs], separators=(",", ":")).encode()
+        trailer = meta.skeletons[seg.name] + b"\n" + layout_json
+        assert segment_trailer(seg, meta.skeletons[seg.name]) == trailer
+        assert meta.digests[seg.name] == xxhash.xxh3_128_hexdigest(raw + trailer)
+        hasher = checksum.Hasher()
+        for off in range(0, seg.nbytes, 1000):
+            hasher.update(slot.segment_bytes(seg.name)[off : off + 1000])
+        hasher.update(trailer)
+        assert hasher.hexdigest() == meta.digests[seg.name]
+
+
+def test_verify_segments_checks_skeletons_of_the_named_segments_only():
+    engine, model, opt = _engine_with_model()
+    train_step(model, opt)
+    slot = engine.capture(1)
+    meta = engine.seal(slot)
+    bad = dataclasses.replace(
+        meta, skeletons={**meta.skeletons, "optim": meta.skeletons["optim"].replace(b"1", b"2")}
+    )
+    verify_segments(slot.buffer, bad, ["model", "rng"])
+    with pytest.raises(checksum.ChecksumMismatch, match="segment 'optim'"):
+        verify_segments(slot.buffer, bad, ["optim"])
