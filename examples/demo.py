@@ -44,7 +44,7 @@ SHOWN = {
 def run(tag: str, out: Path, steps: int, faults: str, spares: int, spare_nodes: int) -> Path:
     run_dir = out / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = ["recovery.heartbeat_timeout_s=4", "recovery.heartbeat_interval_s=0.5"]
+    overrides = ["recovery.heartbeat_timeout_s=10", "recovery.heartbeat_interval_s=0.5"]
     if faults:
         overrides.append(f"recovery.fault={faults}")
     cluster = LocalCluster(

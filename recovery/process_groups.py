@@ -13,7 +13,10 @@ communicator is aborted instead, which unblocks pending kernels directly.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -23,7 +26,8 @@ import torch.distributed as dist
 
 from recovery.protocol import gen_prefix
 
-_graveyard: list[Any] = []
+_graveyard: list[tuple[float, Any]] = []
+_reaper: threading.Thread | None = None
 _graveyard_lock = threading.Lock()
 
 
@@ -40,7 +44,7 @@ def init_training_group(
     )
 
 
-def abandon_training_group(abort_backend: str = "gloo") -> None:
+def abandon_training_group(abort_backend: str = "gloo", hold_s: float = 180.0) -> None:
     """Unregister the default group without blocking on in-flight gloo operations."""
     if not dist.is_initialized():
         return
@@ -50,8 +54,8 @@ def abandon_training_group(abort_backend: str = "gloo") -> None:
             pg._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
         except Exception:
             pass
-    keep(pg)
-    if not _forget_default_group():
+    keep(pg, hold_s)
+    if not _forget_default_group(hold_s):
         # Unknown torch internals: fall back to the public call, off the training thread.
         threading.Thread(target=_destroy_quietly, daemon=True).start()
         deadline = time.monotonic() + 5.0
@@ -66,7 +70,7 @@ def _destroy_quietly() -> None:
         pass
 
 
-def _forget_default_group() -> bool:
+def _forget_default_group(hold_s: float) -> bool:
     """Drop torch's registration of every group *without* ``shutdown()``.
 
     ``destroy_process_group`` shuts each backend down, and a gloo shutdown waits for
@@ -83,7 +87,7 @@ def _forget_default_group() -> bool:
     if not hasattr(c10d, "_update_default_pg"):
         return False
     for pg in list(world.pg_map):
-        keep(pg)
+        keep(pg, hold_s)
     c10d._update_default_pg(None)
     for n in names:
         getattr(world, n).clear()
@@ -93,26 +97,71 @@ def _forget_default_group() -> bool:
     return True
 
 
-def keep(obj: Any) -> None:
-    """Hold ``obj`` until a reaper thread can drop it without blocking training."""
+def keep(obj: Any, hold_s: float = 180.0) -> None:
+    """Hold ``obj`` until its pending operations must have timed out, then drop it.
+
+    A gloo destructor joins its worker threads while holding the GIL, so dropping a
+    group whose operation still waits on a silent peer would freeze every Python
+    thread of the process until that operation's timeout. We wait out ``hold_s`` (at
+    least the group's timeout) on a reaper thread instead, and drop it then.
+    """
+    global _reaper
     with _graveyard_lock:
-        _graveyard.append(obj)
-    threading.Thread(target=_reap, name="checkpointless-reaper", daemon=True).start()
+        _graveyard.append((time.monotonic() + hold_s, obj))
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap_loop, name="checkpointless-reaper",
+                                       daemon=True)
+            _reaper.start()
 
 
-def _reap() -> None:
+def holding() -> bool:
+    """True while some abandoned group may still have an operation pending."""
     with _graveyard_lock:
-        victims = list(_graveyard)
-        _graveyard.clear()
-    # A gloo destructor joins its worker threads and runs with the GIL held, so dropping
-    # a group with a pending operation would freeze every Python thread. ``shutdown``
-    # first stops the workers without waiting (it releases the GIL); the drop that
-    # follows closes the sockets, which fails the peers' pending operations at once.
-    for obj in victims:
-        shutdown = getattr(obj, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:
-                pass
-    del victims
+        return bool(_graveyard)
+
+
+def _reap_loop() -> None:
+    while True:
+        time.sleep(1.0)
+        now = time.monotonic()
+        with _graveyard_lock:
+            due = [obj for t, obj in _graveyard if t <= now]
+            _graveyard[:] = [(t, obj) for t, obj in _graveyard if t > now]
+        for obj in due:
+            shutdown = getattr(obj, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception:
+                    pass
+        del due
+
+
+_unhandled = False
+
+
+def install_exit_guard() -> None:
+    """Exit without running gloo destructors that could block on abandoned operations.
+
+    At interpreter exit, groups still held from a failed generation would be destroyed
+    and wait out their pending operations (up to the collective timeout). If any are
+    held, the guard flushes output and ends the process at once, with status 1 after an
+    unhandled exception and 0 otherwise (``sys.exit(n)`` codes after training are not
+    seen here; see the README).
+    """
+    previous = sys.excepthook
+
+    def hook(*exc_info: Any) -> None:
+        global _unhandled
+        _unhandled = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+    atexit.register(_exit_now_if_holding)
+
+
+def _exit_now_if_holding() -> None:
+    if holding():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _unhandled else 0)

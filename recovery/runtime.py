@@ -83,6 +83,8 @@ class Checkpointless:
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self.watchdog.start(self.gen)
+        # Registered first so it runs last: exit at once if abandoned gloo groups remain.
+        process_groups.install_exit_guard()
         # Stop it before interpreter teardown destroys the store it polls under it.
         atexit.register(self.watchdog.stop)
         if self.env.replacement or self.gen > 0:
@@ -197,9 +199,12 @@ class Checkpointless:
         self.gen = self.watchdog.generation = gen
 
     def _teardown_generation(self) -> None:
+        rs = self.settings
         if self.replicator is not None:
-            process_groups.keep(self.replicator.abandon())
-        process_groups.abandon_training_group(self.settings.recovery.abort_backend)
+            process_groups.keep(self.replicator.abandon(), rs.replication.timeout_s + 10)
+        process_groups.abandon_training_group(
+            rs.recovery.abort_backend, rs.recovery.collective_timeout_s + 10
+        )
 
     def _cause_of(self, exc: Exception) -> dict[str, Any]:
         local = isinstance(exc, InjectedFault) or (
