@@ -1,0 +1,120 @@
+"""Run every benchmark and rewrite BENCHMARKS.md with the figures just measured.
+
+    python -m benchmarks.run_all [--quick]     (``make bench`` runs the full modes)
+
+Each benchmark prints one JSON object as its last stdout line; this collects them,
+keeps the raw JSON in ``benchmarks/results/latest.json`` and renders the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+from benchmarks._harness import REPO, progress
+
+BENCHES = {
+    "bench_snapshot": {
+        "title": "Snapshot and replication cost (issue 2)",
+        "accept": {
+            "stall_over_memcpy": ("<=", 1.25),
+            "torch_save_over_stall": (">=", 10),
+            "replication_over_raw_send": ("<=", 1.3),
+            "overhead_over_copy_cost": ("<=", 1.3),
+        },
+    },
+    "bench_recovery": {
+        "title": "In-process recovery vs torchrun full restart (issue 3)",
+        "accept": {"recovery_over_restart": ("<=", 0.15), "steps_lost": ("==", 0),
+                   "bit_identical": ("==", True)},
+    },
+    "bench_dataloader_cache": {
+        "title": "Data loader cache (issue 5)",
+        "accept": {
+            "removed_fraction": (">=", 0.9),
+            "first_batch_cached_over_uncached": ("<=", 0.1),
+        },
+    },
+}
+
+
+def _ok(value, op: str, bound) -> bool:
+    return {"<=": value <= bound, ">=": value >= bound, "==": value == bound}[op]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items())
+    return str(v)
+
+
+def render(results: dict, quick: bool) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Latest figures, measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on "
+        f"{platform.machine()} with {_cpus()} CPU cores, no GPU, "
+        f"{'quick' if quick else 'full'} mode. Every ratio is taken side by side in one run.",
+        "",
+        "Reproduce: `make bench` (full) or `.venv/bin/python -m benchmarks.run_all --quick`;",
+        "one benchmark: `.venv/bin/python -m benchmarks.<name> [--quick]` (last stdout line is",
+        "JSON). Raw results: `benchmarks/results/latest.json`.",
+        "",
+    ]
+    for name, spec in BENCHES.items():
+        r = results.get(name)
+        lines += [f"## {spec['title']}: `benchmarks/{name}.py`", ""]
+        if r is None or "error" in r:
+            lines += [f"Did not complete: {r.get('error') if r else 'not run'}", ""]
+            continue
+        lines += ["| figure | value | target | met |", "|---|---|---|---|"]
+        for key, (op, bound) in spec["accept"].items():
+            v = r.get(key)
+            met = "yes" if v is not None and _ok(v, op, bound) else "**no**"
+            lines.append(f"| `{key}` | {_fmt(v)} | {op} {bound} | {met} |")
+        lines += ["", "<details><summary>all figures</summary>", "", "| key | value |",
+                  "|---|---|"]
+        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(r.items())]
+        lines += ["", "</details>", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    results: dict[str, dict] = {}
+    for name in BENCHES:
+        if args.only and name not in args.only:
+            continue
+        progress(f"running {name}")
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if args.quick else [])]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        last = proc.stdout.strip().splitlines()[-1:] or [""]
+        try:
+            results[name] = json.loads(last[0])
+        except json.JSONDecodeError:
+            results[name] = {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+        progress(f"{name}: {json.dumps(results[name])[:300]}")
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    (REPO / "BENCHMARKS.md").write_text(render(results, args.quick))
+    progress("BENCHMARKS.md rewritten")
+
+
+if __name__ == "__main__":
+    main()
