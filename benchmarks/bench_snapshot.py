@@ -4,8 +4,10 @@ Two processes (one per simulated node, one torch thread each on this 2-core host
 hold a model whose training state (fp32 weights plus Adam's two moments) is a few
 hundred MB. Every figure is measured in the same run on the same bytes:
 
-- ``stall_s``: the training loop's blocking time for one snapshot (the copy into the
-  reused buffer; checksums and replication run in the background);
+- ``stall_s``: the training loop's blocking time for one snapshot with the default
+  ``replication.checksum=inline`` (copy into the reused buffer, hashed from cache as it
+  goes; replication runs in the background); ``stall_background_s``: the same with
+  ``checksum=background`` (copy only; hashing moves to the replication thread);
 - ``memcpy_s``: one flat copy of the same number of bytes into preallocated memory;
 - ``torch_save_s``: a synchronous ``torch.save`` of the same state plus fsync;
 - ``dcp_async_block_s``: how long ``torch.distributed.checkpoint.async_save`` blocks;
@@ -14,7 +16,8 @@ hundred MB. Every figure is measured in the same run on the same bytes:
   each direction;
 - ``train_step_overhead``: the fractional slowdown of training with a snapshot every
   step, measured in interleaved blocks to cancel drift; ``overhead_over_copy_cost`` is
-  the added time per step divided by ``memcpy_s``.
+  the added time per step divided by ``memcpy_s`` (``*_background``: the other mode;
+  ``train_step_overhead_replicated``: with k=2 replication to the other process).
 
 Usage: ``python -m benchmarks.bench_snapshot [--quick]``; the last stdout line is JSON.
 """
@@ -69,32 +72,34 @@ def rank_main(args: argparse.Namespace) -> None:
     state.register("optim", opt)
     say = progress if rank == 0 else (lambda _m: None)
 
-    # -- local snapshot stall vs memcpy (interleaved) -------------------------------
-    local = Replicator(
-        state, store=store, rank=rank, world_size=world, node=rank,
-        config=ReplicationConfig(factor=1), memory=MemoryConfig(), prefix="bench/local",
-    )
-    for warm in (-2, -1):  # allocate and touch both slots before timing anything
-        local.snapshot(warm)
-        local.wait()
-    nbytes = local.engine.state_bytes
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    say(f"state {nbytes / 2**20:.0f} MiB per rank; measuring stall vs memcpy")
-    stalls, copies = [], []
-    for i in range(args.reps):
-        dist.barrier()
-        t0 = time.perf_counter()
+    # -- local snapshot stall vs memcpy (interleaved), for both checksum modes ----------
+    stalls: dict[str, list[float]] = {}
+    copies: list[float] = []
+    for mode in ("inline", "background"):
+        local = Replicator(
+            state, store=store, rank=rank, world_size=world, node=rank,
+            config=ReplicationConfig(factor=1, checksum=mode), memory=MemoryConfig(),
+            prefix=f"bench/local-{mode}",
+        )
+        for warm in (-2, -1):  # allocate and touch both slots before timing anything
+            local.snapshot(warm)
+            local.wait()
+        nbytes = local.engine.state_bytes
+        src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
         dst.copy_(src)
-        copies.append(time.perf_counter() - t0)
-        dist.barrier()
-        stalls.append(local.snapshot(i + 1))
-        local.wait()
-    local.wait()
-    say("stalls " + " ".join(f"{x:.4f}" for x in stalls))
-    say("copies " + " ".join(f"{x:.4f}" for x in copies))
-    del src, dst
+        say(f"state {nbytes / 2**20:.0f} MiB per rank; stall ({mode} checksum) vs memcpy")
+        stalls[mode] = []
+        for i in range(args.reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+            dist.barrier()
+            stalls[mode].append(local.snapshot(i + 1))
+            local.wait()
+        local.close()
+        del src, dst
 
     # -- synchronous torch.save + fsync ---------------------------------------------
     say("torch.save + fsync")
@@ -125,7 +130,6 @@ def rank_main(args: argparse.Namespace) -> None:
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/c{i}")
             dcp_blocks.append(time.perf_counter() - t0)
             fut.result()
-    local.close()
 
     # -- replication round vs a raw gloo exchange of the same bytes -----------------------
     say("replication round vs raw gloo send")
@@ -158,10 +162,11 @@ def rank_main(args: argparse.Namespace) -> None:
     # -- training throughput with and without a snapshot every step ---------------------
     say("training with vs without a snapshot every step (interleaved blocks)")
     results: dict[str, list[float]] = {}
-    for kind, factor in (("local", 1), ("replicated", 2)):
+    for kind, factor in (("inline", 1), ("background", 1), ("replicated", 2)):
         r = rep if factor == 2 else Replicator(
             state, store=store, rank=rank, world_size=world, node=rank,
-            config=ReplicationConfig(factor=1), memory=MemoryConfig(), prefix="bench/train",
+            config=ReplicationConfig(factor=1, checksum=kind), memory=MemoryConfig(),
+            prefix=f"bench/train-{kind}",
         )
         step = 10_000 * factor
         for _ in range(2):  # both slots allocated before the timed blocks
@@ -188,11 +193,13 @@ def rank_main(args: argparse.Namespace) -> None:
     rep.close()
 
     if rank == 0:
-        none_s, snap_s = results["local"]
+        none_s, snap_s = results["inline"]
+        bnone_s, bsnap_s = results["background"]
         rnone_s, rsnap_s = results["replicated"]
         out = {
             "state_bytes": nbytes,
-            "stall_s": median(stalls),
+            "stall_s": median(stalls["inline"]),
+            "stall_background_s": median(stalls["background"]),
             "memcpy_s": median(copies),
             "torch_save_s": median(saves),
             "dcp_async_block_s": median(dcp_blocks),
@@ -200,6 +207,8 @@ def rank_main(args: argparse.Namespace) -> None:
             "raw_send_s": median(raws),
             "step_s_no_snapshot": none_s,
             "step_s_with_snapshot": snap_s,
+            "step_s_background_no_snapshot": bnone_s,
+            "step_s_background": bsnap_s,
             "step_s_replicated_no_snapshot": rnone_s,
             "step_s_replicated": rsnap_s,
         }
@@ -249,6 +258,10 @@ def main() -> None:
         replication_over_raw_send=r["replication_s"] / r["raw_send_s"],
         train_step_overhead=added / r["step_s_no_snapshot"],
         overhead_over_copy_cost=added / r["memcpy_s"],
+        stall_background_over_memcpy=r["stall_background_s"] / r["memcpy_s"],
+        overhead_over_copy_cost_background=(
+            (r["step_s_background"] - r["step_s_background_no_snapshot"]) / r["memcpy_s"]
+        ),
         train_step_overhead_replicated=(
             (r["step_s_replicated"] - r["step_s_replicated_no_snapshot"])
             / r["step_s_replicated_no_snapshot"]

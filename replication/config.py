@@ -39,6 +39,14 @@ class ReplicationConfig:
             "choices": ["cpu", "cuda"],
         },
     )
+    checksum: str = field(
+        default="inline",
+        metadata={
+            "help": "when host snapshots are checksummed: 'inline' (during the copy, least "
+            "CPU) or 'background' (after it, shortest stall)",
+            "choices": ["inline", "background"],
+        },
+    )
     dedupe: bool = field(
         default=True,
         metadata={"help": "skip sending state segments the holder already has (pure DP)"},

@@ -127,7 +127,8 @@ class Replicator:
             held if self.memory.host_budget_bytes == 0 else 0
         )
         self.engine = engine or SnapshotEngine(
-            state, pin_memory=pin, on_allocate=self._check_layout_budget
+            state, pin_memory=pin, on_allocate=self._check_layout_budget,
+            checksum=self.config.checksum,
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)

@@ -255,9 +255,18 @@ class SnapshotEngine:
         *,
         pin_memory: bool | None = None,
         on_allocate: Any = None,
+        checksum: str = "inline",
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
-        caller can check the memory budget with the real snapshot size."""
+        caller can check the memory budget with the real snapshot size.
+
+        ``checksum="inline"`` hashes host state during the copy (least total CPU work:
+        the bytes are hashed from cache); ``"background"`` leaves hashing to
+        :meth:`seal` on the replication thread (shortest stall, one more pass over the
+        buffer, which competes with training when every core is busy)."""
+        if checksum not in ("inline", "background"):
+            raise ValueError(f"replication.checksum must be inline or background, got {checksum!r}")
+        self.checksum = checksum
         self.state = state
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._on_allocate = on_allocate
@@ -299,7 +308,10 @@ class SnapshotEngine:
 
     def _copy(self, slot: SnapshotSlot, flat: FlatState) -> None:
         if all(t.device.type == "cpu" for t in flat.tensors):
-            slot.digests = copy_and_digest(slot, flat)
+            if self.checksum == "inline":
+                slot.digests = copy_and_digest(slot, flat)
+            else:
+                torch._foreach_copy_(slot.views, flat.tensors)
             return
         # GPU path (untested here): enqueue device->pinned copies on a side stream.
         if self._stream is None:
