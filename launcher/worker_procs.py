@@ -112,13 +112,12 @@ def launch(
 ) -> tuple[subprocess.Popen, bool]:
     """Start a rank: on an idle warm spare if ``spares`` has one, else a fresh process.
 
-    Returns the process and whether it was a spare. The pool is refilled at once
-    (``Popen`` does not wait for the new spare's imports).
+    Returns the process and whether it was a spare. The pool refills itself later,
+    from the agent's poll loop, once the recovery no longer needs the CPU.
     """
     candidate = spares.take() if spares is not None else None
     if candidate is not None and spares is not None:
         assigned = SparePool.assign(candidate, rank_vars, [script, *script_args], module)
-        spares.fill()
         if assigned:
             return candidate, True
         stop_processes([candidate], grace_s=0.0)
@@ -148,10 +147,13 @@ class SparePool:
 
     A spare turns into a worker when it receives one JSON line on stdin (see
     :mod:`launcher.spare`), which saves a replacement the interpreter start and the
-    imports. The pool is refilled right after a spare is taken; a spare that dies while
-    idle is replaced, within a budget so that a spare that cannot even start does not
-    become a fork loop.
+    imports. The pool is refilled ``refill_delay_s`` after a spare is taken: a new
+    spare spends seconds of CPU importing torch, which would slow down the very
+    replacement it is meant to speed up. A spare that dies while idle is replaced,
+    within a budget so that a spare that cannot even start does not become a fork loop.
     """
+
+    refill_delay_s = 15.0
 
     def __init__(
         self, size: int, env: Mapping[str, str], emit: Callable[..., object]
@@ -161,8 +163,11 @@ class SparePool:
         self._emit = emit
         self._idle: list[subprocess.Popen] = []
         self._restarts_left = 2 * size + 2
+        self._refill_at = 0.0
 
     def fill(self) -> None:
+        if time.monotonic() < self._refill_at:
+            return
         while len(self._idle) < self.size:
             proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", SPARE_MODULE],
@@ -184,6 +189,7 @@ class SparePool:
         self.fill()
 
     def take(self) -> subprocess.Popen | None:
+        self._refill_at = time.monotonic() + self.refill_delay_s
         while self._idle:
             proc = self._idle.pop(0)
             if proc.poll() is None:
