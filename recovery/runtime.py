@@ -155,12 +155,26 @@ class Checkpointless:
     def _after_step(self, step: int) -> None:
         assert self.replicator is not None
         stall = self.replicator.maybe_snapshot(step)
+        if stall is not None:
+            self._mark_loaders_committed()
         if self._resumed_from is not None:
             info, self._resumed_from = self._resumed_from, None
             self.log.emit("resumed", step=step, resume_s=time.time() - info["recovered_at"],
                           **info)
         if self.rank == 0:
             self.log.emit("step", step=step, gen=self.gen, stall_s=stall)
+
+    def _mark_loaders_committed(self) -> None:
+        """Let cached loaders evict batches older than the snapshot just taken.
+
+        The snapshot commits a moment later, in the background; loaders keep a lookback
+        window (``dataloader_cache.lookback`` batches) behind the mark, which covers the
+        rollback to the previous commit if this one never completes.
+        """
+        for _, obj in self.state:
+            mark = getattr(obj, "mark_committed", None)
+            if callable(mark):
+                mark()
 
     def _finish(self) -> None:
         assert self.replicator is not None
