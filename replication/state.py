@@ -105,7 +105,10 @@ class TrainingState:
             if isinstance(obj, torch.nn.Module):
                 _restore_module(obj, states[name])
             else:
-                obj.load_state_dict(clone_tensors(states[name]))
+                restored = clone_tensors(states[name])
+                if isinstance(obj, torch.optim.Optimizer):
+                    restored = _rewrap_optimizer_dtensors(obj, restored)
+                obj.load_state_dict(restored)
 
 
 def clone_tensors(tree: Any) -> Any:
@@ -119,6 +122,38 @@ def clone_tensors(tree: Any) -> Any:
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
         return tuple(clone_tensors(v) for v in tree)
     return tree
+
+
+def _rewrap_optimizer_dtensors(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """Give FSDP2 optimizer state back its DTensor form.
+
+    Snapshots hold each rank's local shard. Optimizer state of a sharded parameter
+    (e.g. Adam's moments) must be a DTensor laid out like the parameter, or the next
+    step mixes DTensors with plain tensors; scalar state ('step') stays plain.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = sd.get("state")
+    if not isinstance(state, dict) or not any(_is_dtensor(p) for p in params):
+        return sd
+    from torch.distributed.tensor import DTensor
+
+    for pid, entry in state.items():
+        if not (isinstance(pid, int) and 0 <= pid < len(params)) or not isinstance(entry, dict):
+            continue
+        p = params[pid]
+        if not _is_dtensor(p):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == p.to_local().shape:
+                entry[key] = DTensor.from_local(
+                    value, p.device_mesh, p.placements, run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                )
+    return sd
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
