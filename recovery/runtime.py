@@ -77,7 +77,12 @@ class Checkpointless:
         fault_text = rec.fault or os.environ.get("CHECKPOINTLESS_RECOVERY_FAULT", "")
         self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log)
         self.faults.install(model, optimizer)
-        self.watchdog = Watchdog(self.store, self.env.heartbeat_file, rec.heartbeat_interval_s)
+        # The watchdog gets a connection of its own: a store client serialises its
+        # operations, and heartbeats must never queue behind the training loop's.
+        self.watchdog = Watchdog(
+            self._connect_store() if self.env.launched else self.store,
+            self.env.heartbeat_file, rec.heartbeat_interval_s,
+        )
         self.gen = protocol.current_generation(self.store)
         self.replicator: Replicator | None = None
         self.step = 0

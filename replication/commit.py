@@ -11,7 +11,7 @@ leaves the count short.
 
 from __future__ import annotations
 
-import datetime
+import time
 
 import torch.distributed as dist
 
@@ -57,16 +57,26 @@ class CommitLedger:
         return False
 
     def wait_committed(self, step: int, timeout_s: float | None = None) -> None:
-        """Block until every rank has acknowledged ``step``."""
-        timeout = datetime.timedelta(seconds=timeout_s or self.timeout_s)
-        try:
-            self.store.wait([f"{self.ack_prefix}/{step}/done"], timeout)
-        except Exception as exc:
-            have = self.store.add(f"{self.ack_prefix}/{step}", 0)
-            raise CommitTimeout(
-                f"step {step} was acknowledged by {have}/{self.world_size} ranks within "
-                f"{timeout.total_seconds():.0f}s; it stays uncommitted"
-            ) from exc
+        """Block until every rank has acknowledged ``step``.
+
+        Polls with short ``check`` calls rather than one long ``store.wait``: a c10d
+        TCPStore client serialises its operations, so a long wait would starve every
+        other thread sharing the client (the watchdog, the training loop) for as long
+        as a dead peer keeps the count short.
+        """
+        timeout = timeout_s or self.timeout_s
+        key = f"{self.ack_prefix}/{step}/done"
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                have = self.store.add(f"{self.ack_prefix}/{step}", 0)
+                raise CommitTimeout(
+                    f"step {step} was acknowledged by {have}/{self.world_size} ranks within "
+                    f"{timeout:.0f}s; it stays uncommitted"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
     def committed_step(self) -> int:
         return committed_step(self.store, self.committed_key)
