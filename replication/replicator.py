@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,26 @@ log = logging.getLogger("checkpointless.replication")
 MAX_SEGMENTS = 64
 _ANN_HEADER = 3  # step, metadata bytes, segment count
 _META_TAG = 1 << 30
+
+
+def _run_in_daemon_thread(fn: Callable[..., RoundStats], *args: object) -> Future:
+    """Run one round on a daemon thread.
+
+    Not a ThreadPoolExecutor: its worker threads are joined at interpreter exit, and a
+    round abandoned on a dead peer would then hold the process for its full timeout.
+    """
+    fut: Future = Future()
+
+    def body() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=body, name="checkpointless-replicate", daemon=True).start()
+    return fut
 
 
 class ReplicationError(RuntimeError):
@@ -158,7 +179,6 @@ class Replicator:
                 self.config.factor, len(set(self.node_of_rank)),
             )
         self.sources = sources_of(self.holders)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointless-replicate")
         self._inflight: Future | None = None
         self.last_round: RoundStats | None = None
         self.check_budget()
@@ -193,7 +213,7 @@ class Replicator:
         if self._fault_hook is not None:
             self._fault_hook("snapshot", step)
         slot = self.engine.capture(step)
-        self._inflight = self._executor.submit(self._round, slot)
+        self._inflight = _run_in_daemon_thread(self._round, slot)
         return time.perf_counter() - t0
 
     def maybe_snapshot(self, step: int) -> float | None:
@@ -225,7 +245,6 @@ class Replicator:
         try:
             self.wait()
         finally:
-            self._executor.shutdown(wait=True)
             self.channel.close()
 
     def abandon(self) -> SideChannel:
@@ -237,7 +256,7 @@ class Replicator:
         and replicas stay valid and are handed to the next generation.
         """
         self._inflight = None
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.channel.abort()  # its waits give up within a poll interval
         return self.channel
 
     # -- the background round --------------------------------------------------------

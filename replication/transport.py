@@ -9,10 +9,13 @@ so gloo streams them back to back instead of one blocking send per tensor.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+_POLL = datetime.timedelta(milliseconds=200)
 
 
 class TransportError(RuntimeError):
@@ -39,6 +42,7 @@ class SideChannel:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self._aborted = False
         self.timeout = datetime.timedelta(seconds=timeout_s)
         pstore = dist.PrefixStore(prefix, store)
         if hostname:
@@ -81,12 +85,27 @@ class SideChannel:
     def wait(self, works: Sequence, what: str = "transfer") -> None:
         self._wait(works, what)
 
+    def abort(self) -> None:
+        """Make every current and future wait on this channel give up promptly.
+
+        Gloo operations cannot be cancelled; their waits are polled in short slices so
+        a round stuck on a dead peer ends soon after the channel is abandoned.
+        """
+        self._aborted = True
+
     def _wait(self, works: Sequence, what: str) -> None:
-        try:
-            for w in works:
-                w.wait(self.timeout)
-        except Exception as exc:  # gloo raises RuntimeError/DistBackendError subclasses
-            raise TransportError(f"replication {what} failed: {exc}") from exc
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for w in works:
+            while True:
+                if self._aborted:
+                    raise TransportError(f"replication {what} abandoned")
+                try:
+                    w.wait(_POLL)
+                    break
+                except Exception as exc:  # gloo raises RuntimeError subclasses
+                    timed_out = "timed out" in str(exc).lower()
+                    if not timed_out or time.monotonic() > deadline:
+                        raise TransportError(f"replication {what} failed: {exc}") from exc
 
     def close(self) -> None:
         """Drop the group. Gloo cannot abort in-flight ops; dropping is all we can do."""
