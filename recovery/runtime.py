@@ -40,6 +40,7 @@ from replication.commit import committed_step
 from replication.replicator import Replicator
 from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
+from replication.transport import WaitAbandoned, wait_polled
 
 
 class Checkpointless:
@@ -133,18 +134,15 @@ class Checkpointless:
 
     def wait(self, work: Any) -> None:
         """Wait for a collective, bailing out as soon as a failure is declared anywhere."""
-        deadline = time.monotonic() + self.settings.recovery.collective_timeout_s
-        while True:
-            try:
-                work.wait(datetime.timedelta(milliseconds=100))
-                return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    raise FailureDetected(f"collective failed: {exc}") from exc
-                if self.watchdog.failure_pending:
-                    raise FailureDetected("failure declared while in a collective") from exc
-                if time.monotonic() > deadline:
-                    raise FailureDetected("collective timed out") from exc
+        try:
+            wait_polled(work, self.settings.recovery.collective_timeout_s,
+                        lambda: self.watchdog.failure_pending)
+        except WaitAbandoned as exc:
+            raise FailureDetected("failure declared while in a collective") from exc
+        except TimeoutError as exc:
+            raise FailureDetected(f"collective timed out: {exc}") from exc
+        except RuntimeError as exc:
+            raise FailureDetected(f"collective failed: {exc}") from exc
 
     @property
     def committed_step(self) -> int:
@@ -215,6 +213,7 @@ class Checkpointless:
             engine=old.engine if old else None, replicas=old.replicas if old else None,
             fault_hook=self.faults.at if self.faults else None,
         )
+        self.replicator.should_abort = lambda: self.watchdog.failure_pending
         self.gen = self.watchdog.generation = gen
 
     def _teardown_generation(self) -> None:
@@ -237,6 +236,8 @@ class Checkpointless:
         """Leave the failed generation, join the next one, restore; returns the step."""
         t_detect = time.time()
         rec = self.settings.recovery
+        self.log.emit("failure_detected", rank=self.rank, gen=self.gen, step=self.step,
+                      cause=cause)
         if not newcomer:
             protocol.declare_failure(self.store, self.gen, {**cause, "ts": t_detect})
         self._teardown_generation()

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,7 @@ class Replicator:
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)
         self._fault_hook = fault_hook
+        self.should_abort: Callable[[], bool] | None = None
         self.channel = SideChannel(
             store, rank, world_size, prefix=f"{prefix}/side",
             timeout_s=self.config.timeout_s, hostname=hostname,
@@ -223,13 +225,27 @@ class Replicator:
         return self.snapshot(step)
 
     def wait(self) -> RoundStats | None:
-        """Block until the in-flight round is committed; re-raise its failure."""
+        """Block until the in-flight round is committed; re-raise its failure.
+
+        Gives up early, with :class:`ReplicationError`, when ``should_abort()`` turns
+        true (a failure was declared elsewhere and the round may never complete).
+        """
         fut, self._inflight = self._inflight, None
         if fut is None:
             return None
         try:
-            self.last_round = fut.result()
+            while True:
+                try:
+                    self.last_round = fut.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if self.should_abort is not None and self.should_abort():
+                        raise ReplicationError(
+                            "replication round abandoned: a failure was declared"
+                        ) from None
         except (TransportError, ChecksumMismatch, RuntimeError) as exc:
+            if isinstance(exc, ReplicationError):
+                raise
             raise ReplicationError(str(exc)) from exc
         return self.last_round
 

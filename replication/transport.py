@@ -10,16 +10,51 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-_POLL = datetime.timedelta(milliseconds=200)
+_POLL = datetime.timedelta(milliseconds=100)
 
 
 class TransportError(RuntimeError):
     """A peer transfer failed or timed out (usually: the peer died)."""
+
+
+class WaitAbandoned(RuntimeError):
+    """``wait_polled`` gave up because ``should_stop()`` turned true."""
+
+
+def wait_polled(
+    work: object,
+    timeout_s: float,
+    should_stop: Callable[[], bool] = lambda: False,
+    poll: datetime.timedelta = _POLL,
+) -> None:
+    """Wait for a c10d work in short slices, so the caller can give up in between.
+
+    A gloo ``wait(timeout)`` that times out leaves the operation pending, and a later
+    wait still sees its real outcome. Raises the work's own error if it failed,
+    :class:`TimeoutError` after ``timeout_s``, :class:`WaitAbandoned` once
+    ``should_stop()`` is true.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if should_stop():
+            raise WaitAbandoned("wait abandoned")
+        started = time.monotonic()
+        try:
+            work.wait(poll)  # type: ignore[attr-defined]
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(str(exc)) from exc
+            if now - started < poll.total_seconds() / 2:  # a timeout that is final
+                time.sleep(poll.total_seconds())
 
 
 def _chunks(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
@@ -96,16 +131,12 @@ class SideChannel:
     def _wait(self, works: Sequence, what: str) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
         for w in works:
-            while True:
-                if self._aborted:
-                    raise TransportError(f"replication {what} abandoned")
-                try:
-                    w.wait(_POLL)
-                    break
-                except Exception as exc:  # gloo raises RuntimeError subclasses
-                    timed_out = "timed out" in str(exc).lower()
-                    if not timed_out or time.monotonic() > deadline:
-                        raise TransportError(f"replication {what} failed: {exc}") from exc
+            try:
+                wait_polled(w, max(0.0, deadline - time.monotonic()), lambda: self._aborted)
+            except WaitAbandoned:
+                raise TransportError(f"replication {what} abandoned") from None
+            except (RuntimeError, TimeoutError) as exc:
+                raise TransportError(f"replication {what} failed: {exc}") from exc
 
     def close(self) -> None:
         """Drop the group. Gloo cannot abort in-flight ops; dropping is all we can do."""
