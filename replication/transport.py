@@ -32,12 +32,13 @@ def wait_polled(
     should_stop: Callable[[], bool] = lambda: False,
     poll: datetime.timedelta = _POLL,
 ) -> None:
-    """Wait for a c10d work in short slices, so the caller can give up in between.
+    """Wait for a c10d *collective* in short slices, so the caller can give up in between.
 
-    A gloo ``wait(timeout)`` that times out leaves the operation pending, and a later
-    wait still sees its real outcome. Raises the work's own error if it failed,
-    :class:`TimeoutError` after ``timeout_s``, :class:`WaitAbandoned` once
-    ``should_stop()`` is true.
+    For gloo collectives (all-reduce, all-gather) a ``wait(timeout)`` that times out
+    leaves the operation pending, and a later wait still sees its real outcome. Never
+    use it for send/recv: there a timed-out wait closes the connection. Raises the
+    work's own error if it failed, :class:`TimeoutError` after ``timeout_s``,
+    :class:`WaitAbandoned` once ``should_stop()`` is true.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -121,22 +122,23 @@ class SideChannel:
         self._wait(works, what)
 
     def abort(self) -> None:
-        """Make every current and future wait on this channel give up promptly.
-
-        Gloo operations cannot be cancelled; their waits are polled in short slices so
-        a round stuck on a dead peer ends soon after the channel is abandoned.
-        """
+        """Make later waits on this channel give up at once (a wait already blocked in
+        gloo runs to its timeout: see :meth:`_wait`)."""
         self._aborted = True
 
     def _wait(self, works: Sequence, what: str) -> None:
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        for w in works:
-            try:
-                wait_polled(w, max(0.0, deadline - time.monotonic()), lambda: self._aborted)
-            except WaitAbandoned:
-                raise TransportError(f"replication {what} abandoned") from None
-            except (RuntimeError, TimeoutError) as exc:
-                raise TransportError(f"replication {what} failed: {exc}") from exc
+        # Not polled: a gloo send/recv whose wait times out closes the pair ("Application
+        # timeout caused pair closure"), so point-to-point waits use the full timeout.
+        # An abandoned round therefore ends at its timeout, on its own daemon thread.
+        try:
+            for w in works:
+                if self._aborted:
+                    raise TransportError(f"replication {what} abandoned")
+                w.wait(self.timeout)
+        except TransportError:
+            raise
+        except Exception as exc:  # gloo raises RuntimeError subclasses
+            raise TransportError(f"replication {what} failed: {exc}") from exc
 
     def close(self) -> None:
         """Drop the group. Gloo cannot abort in-flight ops; dropping is all we can do."""
