@@ -244,6 +244,7 @@ class Agent:
         if not self.rcfg.enabled:
             protocol.set_fatal(self.store, f"{what} and recovery.enabled is false")
             return False
+        cause = {**cause, "ts": cause.get("ts", time.time())}  # workers time detect from it
         gen = protocol.declare_failure(self.store, observed_gen, cause)
         count = protocol.recoveries(self.store)
         self._emit("failure_declared", gen=gen, observed_gen=observed_gen, cause=cause,

@@ -1,0 +1,208 @@
+"""Fault injection on one node, with real processes under the real ``checkpointless run``.
+
+Each test runs ``examples/train_gpt.py`` on 2 workers (``--standalone``) with one fault
+from ``recovery.fault`` and checks that the job exits 0 with final model+optimizer
+digests, steps and data-order hashes bit-identical to a failure-free run of the same
+training arguments, and that ``events.jsonl`` shows the fault, the recovery and no
+committed step lost. The last tests check that unrecoverable failures stop the job with
+a clear message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recovery_harness import (
+    assert_failed_cleanly,
+    assert_recovered,
+    assert_same_final,
+    assert_succeeded,
+    run_job,
+    stop_reason,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+FAULT_STEP = 8
+
+#: Fast hang detection (the agent kills a worker silent this long).
+HANG_DETECTION = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free run every test compares with (same training arguments)."""
+    job = run_job(tmp_path_factory.mktemp("reference"))
+    assert_succeeded(job)
+    assert not job.events("recovery"), "the reference run recovered from something"
+    finals = job.finals()
+    assert sorted(finals) == [0, 1]
+    assert all(f["step"] == 16 for f in finals.values())
+    return job
+
+
+def _assert_replaced(job, rank: int, *, spare: bool) -> None:
+    exits = [e for e in job.events("worker_exit") if e["rank"] == rank]
+    assert exits and exits[0]["signal"] == "SIGKILL", f"rank {rank} exits: {exits}"
+    assigned = [e for e in job.events("replacement_assigned") if e["rank"] == rank]
+    assert len(assigned) == 1, f"expected one replacement of rank {rank}, got {assigned}"
+    assert assigned[0]["spare"] is spare, (
+        f"rank {rank} replaced by {'a warm spare' if assigned[0]['spare'] else 'a new process'}"
+        f", expected {'a warm spare' if spare else 'a new process'}"
+    )
+    newcomers = [e for e in job.events("recovery") if e["newcomer"]]
+    assert [e["rank"] for e in newcomers] == [rank]
+    assert newcomers[0]["bytes_transferred"] > 0, "the replacement received no state"
+    assert newcomers[0]["providers"] == {str(rank): 1 - rank}
+
+
+@pytest.mark.parametrize(
+    ("rank", "phase", "spares"),
+    [
+        pytest.param(1, "forward", 1, id="forward-warm-spare"),
+        pytest.param(0, "backward", 0, id="backward-fresh-process"),
+        pytest.param(1, "optimizer", 1, id="optimizer-warm-spare"),
+        pytest.param(1, "snapshot", 0, id="snapshot-fresh-process"),
+    ],
+)
+def test_sigkill_one_worker(tmp_path, reference, rank, phase, spares):
+    fault = f"{rank}:{FAULT_STEP}:{phase}"
+    job = run_job(tmp_path / "run", spares=spares,
+                  overrides=[f"recovery.fault={fault}"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    recs = assert_recovered(job)
+    fired = job.events("fault_injected")[0]
+    assert (fired["rank"], fired["step"], fired["phase"], fired["kind"]) == (
+        rank, FAULT_STEP, phase, "sigkill")
+    assert {e["gen"] for e in recs} == {1}, "one failure must make exactly one generation"
+    _assert_replaced(job, rank, spare=bool(spares))
+    assert job.events("job_done")[0]["recoveries"] == 1
+
+
+def test_sigkill_during_replication(tmp_path, reference):
+    """Killed after sending its replica, before acknowledging the step.
+
+    The survivor's round then waits for an acknowledgement that never comes. It must
+    keep heartbeating and start recovering at once, not when its commit wait times out
+    (60 s here instead of the default 120 s, so a regression fails sooner). Regression
+    test: the commit wait used to block the shared store client (the survivor was
+    killed as hung, fixed in 245350c), then to hold the training thread in
+    ``Replicator.wait`` until the timeout (fixed in 3c4c55e).
+    """
+    job = run_job(tmp_path / "run", spares=1, timeout_s=150, overrides=[
+        f"recovery.fault=1:{FAULT_STEP}:replication", "replication.timeout_s=60",
+        *HANG_DETECTION])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    recs = assert_recovered(job)
+    assert not job.events("worker_hung"), "the survivor must keep heartbeating"
+    fired = job.events("fault_injected")[0]["ts"]
+    late = {e["rank"]: round(e["ts"] - fired, 1) for e in recs if e["ts"] - fired > 25}
+    assert not late, f"seconds from the fault to each rank's recovery: {late}"
+    _assert_replaced(job, 1, spare=True)
+
+
+def test_exception_on_one_rank(tmp_path, reference):
+    """An exception on rank 1 only: recovered in-process, no process replaced."""
+    job = run_job(tmp_path / "run",
+                  overrides=[f"recovery.fault=1:{FAULT_STEP}:forward:exception"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    recs = assert_recovered(job)
+    assert not job.events("replacement_assigned"), "an exception must not cost a process"
+    assert not [e for e in job.events("worker_exit") if e["exitcode"] != 0]
+    local = {e["rank"]: e["local_cause"] for e in recs}
+    assert local[1]["kind"] == "exception" and "InjectedFault" in local[1]["error"]
+    assert all(not e["newcomer"] and e["bytes_transferred"] == 0 for e in recs), (
+        "both ranks hold their own snapshot: nothing should be transferred"
+    )
+
+
+def test_hung_worker_is_killed_and_replaced(tmp_path, reference):
+    """A SIGSTOPped rank stops heartbeating; its agent kills it and a spare takes over."""
+    job = run_job(tmp_path / "run", spares=1, overrides=[
+        f"recovery.fault=1:{FAULT_STEP}:backward:sigstop", *HANG_DETECTION])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    assert_recovered(job)
+    hung = job.events("worker_hung")
+    assert [e["rank"] for e in hung] == [1], f"expected rank 1 (only) killed as hung: {hung}"
+    assert hung[0]["silent_s"] >= 3
+    declared = job.events("failure_declared")
+    assert declared and declared[0]["cause"]["kind"] == "worker_hung"
+    _assert_replaced(job, 1, spare=True)
+
+
+def test_rollback_is_bounded_by_snapshot_interval(tmp_path, reference):
+    """With snapshots every 3 steps, a fault at step 8 replays from step 6, not earlier."""
+    job = run_job(tmp_path / "run", spares=1, overrides=[
+        f"recovery.fault=1:{FAULT_STEP}:backward", "replication.every_n_steps=3"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    recs = assert_recovered(job, every_n_steps=3)
+    assert {e["target_step"] for e in recs} == {6}
+
+
+POST_RUN_SCRIPT = """\
+import sys, time
+import torch
+from recovery import Checkpointless
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+cl = Checkpointless(model=model, optimizer=opt)
+
+def train_step(step):
+    model(torch.ones(2, 4)).sum().backward()
+    cl.all_reduce_gradients(model)
+    opt.step()
+    opt.zero_grad()
+
+cl.run(train_step, 3)
+time.sleep(float(sys.argv[1]))  # what scripts do after training: evaluate, save, upload
+"""
+
+
+def test_work_after_training_is_not_a_hang(tmp_path):
+    """A rank that finished training and then saves for 3 s is not hung (timeout 1 s).
+
+    Regression test: ``_finish`` used to stop the heartbeats, so the agent killed
+    finished ranks as hung and declared a failure after training had ended.
+    """
+    script = tmp_path / "post_run.py"
+    script.write_text(POST_RUN_SCRIPT)
+    job = run_job(tmp_path / "run", script=str(script), script_args=("3",), overrides=[
+        "recovery.heartbeat_timeout_s=1", "recovery.heartbeat_interval_s=0.2"], timeout_s=60)
+    assert_succeeded(job)
+    assert not job.events("failure_declared") and not job.events("recovery")
+    done = max(e["ts"] for e in job.events("worker_done"))
+    # Interpreter teardown after the heartbeats stop (atexit) may still be cut short;
+    # the 3 s of the script's own work after training must not be.
+    early = [e for e in job.events("worker_hung") if e["ts"] < done + 3.0]
+    assert not early, f"killed as hung while working after training: {early}"
+    assert job.events("job_done")[0]["committed_step"] == 3
+
+
+# --- unrecoverable: the job must stop, with a reason, not hang ---------------------------
+def test_every_copy_lost_stops_the_job(tmp_path):
+    """replication.factor=1: a killed rank's state has no other copy."""
+    job = run_job(tmp_path / "run", overrides=[
+        "replication.factor=1", f"recovery.fault=1:{FAULT_STEP}:snapshot"], timeout_s=120)
+    assert_failed_cleanly(job)
+    reason = stop_reason(job)
+    assert "rank 1" in reason and "no surviving copy" in reason, reason or job.output()
+    assert "rank 0" not in reason, f"rank 0's state was not lost: {reason}"
+    assert job.events("fatal"), "the workers should record why recovery is impossible"
+    assert not job.finals(), "no rank may finish training after its peer's state is gone"
+
+
+def test_max_restarts_zero_stops_the_job(tmp_path):
+    job = run_job(tmp_path / "run", overrides=[
+        "recovery.max_restarts=0", f"recovery.fault=1:{FAULT_STEP}:snapshot"], timeout_s=120)
+    assert_failed_cleanly(job)
+    reason = stop_reason(job)
+    assert "max_restarts=0" in reason and "exceeded" in reason, reason or job.output()
+    assert not job.events("recovery"), "no recovery may complete with max_restarts=0"
+    assert not job.events("replacement_assigned")

@@ -1,0 +1,116 @@
+"""Multi-node faults: several ``checkpointless run`` agents on this machine, one per node.
+
+2 nodes x 2 workers (ranks 0,1 on node 0 and 2,3 on node 1; with replication.factor=2
+and the ring placement, rank r's replica lives on the other node: 0<->2, 1<->3). Node
+0 hosts the job's store; a third agent with ``--node-rank 2`` is a spare node. Every
+recovered run must end bit-identical to the failure-free 2-node run; every
+unrecoverable one must stop with a clear reason instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recovery_harness import (
+    assert_failed_cleanly,
+    assert_recovered,
+    assert_same_final,
+    assert_succeeded,
+    run_job,
+    stop_reason,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST_DETECTION = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free 2-node run every test compares with."""
+    job = run_job(tmp_path_factory.mktemp("reference"), nnodes=2, timeout_s=150)
+    assert_succeeded(job)
+    assert not job.events("recovery"), "the reference run recovered from something"
+    assert sorted(job.finals()) == [0, 1, 2, 3]
+    return job
+
+
+def _newest_gen(recs):
+    gen = max(e["gen"] for e in recs)
+    return [e for e in recs if e["gen"] == gen]
+
+
+@pytest.mark.slow
+def test_node_lost_spare_node_takes_over(tmp_path, reference):
+    """Rank 2's whole node (agent + ranks 2, 3) dies; spare node 2 runs ranks 2, 3."""
+    job = run_job(tmp_path / "run", nnodes=2, spare_nodes=1, timeout_s=150,
+                  overrides=["recovery.fault=2:8:snapshot:node", *FAST_DETECTION])
+    assert job.returncodes[1] == -9, f"node 1's agent should be SIGKILLed: {job.returncodes}"
+    assert_succeeded(job, except_nodes=(1,))
+    assert_same_final(reference, job)
+    recs = assert_recovered(job)
+    lost = job.events("node_lost")
+    assert lost and {e["lost_node"] for e in lost} == {1}, lost
+    assert sorted(lost[0]["ranks"]) == [2, 3]
+    takeover = job.events("node_takeover")
+    assert [(e["node"], e["group"]) for e in takeover] == [(2, 1)], takeover
+    last = _newest_gen(recs)
+    newcomers = {e["rank"]: e for e in last if e["newcomer"]}
+    assert sorted(newcomers) == [2, 3]
+    assert last[0]["providers"] == {"2": 0, "3": 1}, "replicas of node 1 live on node 0"
+    started = {e["rank"] for e in job.events("worker_start") if e["node"] == 2}
+    assert started == {2, 3}, "the spare node must run the lost node's ranks"
+
+
+def test_two_failures_on_different_nodes(tmp_path, reference):
+    """Ranks 1 (node 0) and 2 (node 1) die together; each has a copy on the other node."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, timeout_s=150,
+                  overrides=["recovery.fault=1:6:backward;2:6:backward"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    recs = assert_recovered(job, faults=2)
+    last = _newest_gen(recs)
+    assert sorted(e["rank"] for e in last if e["newcomer"]) == [1, 2]
+    assert last[0]["providers"] == {"1": 3, "2": 0}
+    replaced = sorted(e["rank"] for e in job.events("replacement_assigned"))
+    assert replaced == [1, 2]
+
+
+@pytest.mark.slow
+def test_second_failure_during_recovery(tmp_path, reference):
+    """Rank 1 dies in backward; survivor rank 0 dies while recovering from that."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, timeout_s=150,
+                  overrides=["recovery.fault=1:6:backward;0:6:recovery"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    assert_recovered(job, faults=2)
+    fired = {(e["rank"], e["phase"]) for e in job.events("fault_injected")}
+    assert fired == {(1, "backward"), (0, "recovery")}
+    replaced = sorted(e["rank"] for e in job.events("replacement_assigned"))
+    assert replaced == [0, 1]
+    last = _newest_gen(job.events("recovery"))
+    assert last[0]["providers"] == {"0": 2, "1": 3}, "both lost ranks restored from node 1"
+
+
+# --- unrecoverable: the job must stop, with a reason, not hang ---------------------------
+def test_both_copies_lost_stops_the_job(tmp_path):
+    """Ranks 1 and 3 hold each other's replica; losing both loses both states."""
+    job = run_job(tmp_path / "run", nnodes=2, timeout_s=150,
+                  overrides=["recovery.fault=1:8:snapshot;3:8:snapshot"])
+    assert_failed_cleanly(job)
+    reason = stop_reason(job)
+    assert "no surviving copy" in reason, reason or job.output()
+    assert "rank 1" in reason and "rank 3" in reason, reason
+    assert "rank 0" not in reason and "rank 2" not in reason, reason
+    assert not job.finals()
+
+
+def test_node_lost_without_spare_node_stops_the_job(tmp_path):
+    job = run_job(tmp_path / "run", nnodes=2, timeout_s=150,
+                  overrides=["recovery.fault=2:8:snapshot:node", *FAST_DETECTION])
+    assert job.returncodes[1] == -9, job.returncodes
+    assert_failed_cleanly(job)
+    reason = stop_reason(job)
+    assert "node 1" in reason and "no spare node" in reason, reason or job.output()
+    assert "[2, 3]" in reason, reason
+    assert not job.finals()
