@@ -22,12 +22,20 @@ import torch
 import torch.distributed as dist
 
 
-def build(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(
+    width: int, layers: int, restoring: bool = False
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model. ``restoring``: its values will be overwritten (a replacement rank, or a
+    resume from a checkpoint), so skip the random init (seconds for large layers) by
+    building on the meta device. Both modes use it, so the comparison stays fair."""
     torch.manual_seed(0)
     mods: list[torch.nn.Module] = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*mods)
+    with torch.device("meta" if restoring else "cpu"):
+        for _ in range(layers):
+            mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        model = torch.nn.Sequential(*mods)
+    if restoring:
+        model = model.to_empty(device="cpu")
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
@@ -68,13 +76,13 @@ def train_step(model, opt, x, reduce) -> None:
 
 
 def run_checkpointless(args, out: Path) -> None:
-    from recovery import Checkpointless
+    from recovery import Checkpointless, is_replacement
 
     rank = int(os.environ["RANK"])
     prog = Progress(out, rank)
-    prog.emit(event="script_start")
-    model, opt = build(args.width, args.layers)
-    prog.emit(event="model_built")
+    prog.emit(event="script_start", cpu=time.process_time())
+    model, opt = build(args.width, args.layers, restoring=is_replacement())
+    prog.emit(event="model_built", cpu=time.process_time(), restoring=is_replacement())
     cl = Checkpointless(model=model, optimizer=opt)
 
     def step_fn(step: int) -> None:
@@ -93,12 +101,12 @@ def run_dcp(args, out: Path) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = build(args.width, args.layers)
     prog = Progress(out, rank)
     ckpt_root = out / "dcp"
     start = 1
     done = sorted((int(p.name.split("_")[1]), p) for p in ckpt_root.glob("step_*")
                   if (p / ".metadata").exists()) if ckpt_root.exists() else []
+    model, opt = build(args.width, args.layers, restoring=bool(done))
     if done:
         step0, path = done[-1]
         # Adam's state exists only after a step: take one on a dummy batch, then overwrite.

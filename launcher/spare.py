@@ -52,6 +52,26 @@ def warm_up() -> None:
                 importlib.import_module(name)
             except Exception:
                 continue
+        try:
+            _exercise_torch()
+        except Exception:
+            pass
+
+
+def _exercise_torch() -> None:
+    """Run a tiny training step so torch's lazy imports happen now, not after assignment.
+
+    The first optimizer built in a process imports torch's compile machinery (over a
+    second of CPU here); a replacement would otherwise pay it on the recovery path.
+    """
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    for opt_cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        opt = opt_cls(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def wait_for_assignment() -> dict | None:

@@ -8,7 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Checkpointless", "FailureDetected", "InjectedFault", "RecoveryImpossible"]
+__all__ = [
+    "Checkpointless",
+    "FailureDetected",
+    "InjectedFault",
+    "RecoveryImpossible",
+    "is_replacement",
+]
+
+
+def is_replacement() -> bool:
+    """True in a process started to replace a failed rank (its state will be restored).
+
+    Scripts can use it to skip expensive initialisation whose result is overwritten
+    anyway, e.g. build the model under ``torch.device("meta")`` and ``to_empty()`` it.
+    """
+    import os
+
+    from recovery.protocol import ENV_REPLACEMENT
+
+    return os.environ.get(ENV_REPLACEMENT, "0") == "1"
 
 
 def __getattr__(name: str) -> Any:
