@@ -40,7 +40,7 @@ class ReplicationConfig:
         },
     )
     checksum: str = field(
-        default="inline",
+        default="background",
         metadata={
             "help": "when host snapshots are checksummed: 'inline' (during the copy, least "
             "CPU) or 'background' (after it, shortest stall)",

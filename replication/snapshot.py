@@ -255,7 +255,7 @@ class SnapshotEngine:
         *,
         pin_memory: bool | None = None,
         on_allocate: Any = None,
-        checksum: str = "inline",
+        checksum: str = "background",
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
         caller can check the memory budget with the real snapshot size.
