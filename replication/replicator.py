@@ -314,10 +314,10 @@ class Replicator:
         return peers
 
     def _exchange(self, meta: SnapshotMeta, slot: SnapshotSlot) -> tuple[int, int, int]:
+        if self.config.factor == 1:
+            return 0, 0, 0  # no replicas: the commit count alone keeps ranks in step
         meta_bytes = meta.to_bytes()
         peers = self._announce(meta, len(meta_bytes))
-        if self.config.factor == 1:
-            return 0, 0, 0
         chunk = self.config.chunk_bytes
         meta_t = torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8)
         my_fps = peers[self.rank][2]
