@@ -14,6 +14,7 @@ from types import ModuleType
 #: Subcommand modules, in the order ``--help`` lists them. Add ``run``, ``ckpt``,
 #: ``report`` here as they land.
 COMMAND_MODULES: tuple[str, ...] = ("launcher.commands.config_cmd", "launcher.commands.run_cmd")
+COMMAND_MODULES += ("launcher.commands.ckpt_cmd",)
 
 
 def load_commands() -> list[ModuleType]:

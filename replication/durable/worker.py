@@ -1,0 +1,370 @@
+"""The durable writer's helper process: serialisation and I/O off the training process.
+
+``torch.save`` (which DCP calls once per tensor) holds the GIL while it checksums and
+writes each record, so a writer *thread* stalls a Python-heavy training loop for most
+of a save (measured: half the steps/s, while a separate process doing the same work
+costs nothing on an idle core; see ``docs/adr/0005-durable-format.md``). Each rank's
+writer therefore runs :class:`~replication.durable.saver.RankSaver` in a helper
+process of its own:
+
+- started with ``python -m replication.durable.worker FD`` (not ``multiprocessing``:
+  spawn would re-import the user's ``__main__``), at a lower CPU priority, without GPUs
+  (``CUDA_VISIBLE_DEVICES=""``) and with one torch thread;
+- settings, including storage credentials, arrive over a socketpair, never argv;
+- the snapshot is read from a shared-memory staging buffer the training process copies
+  into (the only work left on the training side: one memcpy plus checksum, both
+  without the GIL);
+- ``torch.save``'s zip CRC32 is switched off in the helper (a third of its CPU per
+  byte; torch.load ignores it, and the manifest's checksums cover every byte);
+- log records are forwarded to the parent's ``checkpointless.durable`` logger;
+- when the training process dies, the helper's end of the socket reads EOF: it
+  aborts the save in progress and exits (the partial step is never listed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from replication.durable.saver import (
+    ABORTED,
+    FAILED,
+    STAGE_HEADER,
+    SaveResult,
+    SaverSettings,
+)
+
+log = logging.getLogger("checkpointless.durable")
+
+HELPER_NICE = 10  # the helper yields the CPU to training when both want it
+READY_TIMEOUT_S = 300.0
+
+
+class HelperError(RuntimeError):
+    """The helper process could not be started or died."""
+
+
+# -- parent side --------------------------------------------------------------------------
+class ProcessBackend:
+    """The training-process end of one rank's helper process."""
+
+    def __init__(self, settings: SaverSettings) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self._ready = False
+        self.ever_ready = False  # a helper that never got ready points at a broken setup
+        self._job = 0
+        self._send_lock = threading.Lock()
+        self._killed = False
+
+    def start(self) -> None:
+        """Launch the helper (returns at once; it imports torch in the background)."""
+        parent, child = socket.socketpair()
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        root = str(Path(__file__).resolve().parents[2])  # the directory holding replication/
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "replication.durable.worker", str(child.fileno())],
+                pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self._ready, self._killed = False, False
+        self._send(("init", dataclasses.asdict(self.settings)))
+
+    def _send(self, msg: tuple) -> None:
+        assert self.conn is not None
+        with self._send_lock:
+            self.conn.send(msg)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def save(
+        self, meta_bytes: bytes, step: int, shm_name: str, nbytes: int,
+        stage: Callable[[], None] | None = None,
+    ) -> SaveResult:
+        """Have the helper persist the snapshot in shared memory.
+
+        ``stage()`` fills the shared buffer, advancing its progress counter. Once the
+        helper is up, it runs after the job is sent, while the helper is already writing
+        (the helper waits wherever it catches up); while the helper is still starting,
+        it runs first, so the caller's buffer is never held hostage by a slow start.
+        Returns the helper's result; raises only what ``stage`` raises (after the job is
+        abandoned).
+        """
+        rank = self.settings.rank
+        try:
+            if not self.alive:
+                if self.proc is not None:
+                    log.error("durable writer helper of rank %d had exited (code %s); "
+                              "restarting it", rank, self.proc.returncode)
+                    self._close_conn()
+                self.start()
+            if not self._ready and not self._poll_ready() and stage is not None:
+                stage()
+                stage = None
+            if not self._ready:
+                self._await("ready", READY_TIMEOUT_S)
+                self._ready = self.ever_ready = True
+            self._job += 1
+            job = self._job
+            self._send(("save", {"id": job, "meta": meta_bytes, "shm": shm_name,
+                                 "nbytes": nbytes, "progressive": stage is not None}))
+            if stage is not None:
+                try:
+                    stage()
+                except BaseException:
+                    self._send(("abort", job))
+                    self._await("result", None)
+                    raise
+            return SaveResult(**self._await("result", None))
+        except (EOFError, OSError, HelperError) as exc:
+            code = None
+            if self.proc is not None:  # a helper that stopped talking is finished for good
+                try:
+                    code = self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    code = self.proc.wait()
+            self._close_conn()
+            if self._killed:
+                return SaveResult(step, rank, ABORTED, error="helper stopped by close()")
+            return SaveResult(step, rank, FAILED,
+                              error=f"writer helper process died (exit code {code}): {exc!r}")
+
+    def _poll_ready(self) -> bool:
+        """Handle what the helper has sent so far, without waiting; True once ready."""
+        assert self.conn is not None
+        while not self._ready and self.conn.poll(0):
+            msg = self.conn.recv()
+            if msg[0] == "log":
+                log.log(msg[1], "%s", msg[2])
+            elif msg[0] == "ready":
+                self._ready = self.ever_ready = True
+        return self._ready
+
+    def _await(self, kind: str, timeout: float | None) -> Any:
+        assert self.conn is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is not None and not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise HelperError(f"no {kind!r} from the writer helper within {timeout:.0f}s")
+            msg = self.conn.recv()
+            if msg[0] == "log":
+                log.log(msg[1], "%s", msg[2])
+            elif msg[0] == kind:
+                return msg[1]
+
+    def abort(self) -> None:
+        """Ask the helper to abandon every save, the current one included (close)."""
+        try:
+            self._send(("abort", None))
+        except (OSError, AttributeError, AssertionError):
+            pass
+
+    def kill(self) -> None:
+        self._killed = True
+        if self.alive:
+            assert self.proc is not None
+            self.proc.kill()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            self._send(("stop",))
+        except (OSError, AssertionError):
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+        self.conn, self._ready = None, False
+
+
+# -- child side ---------------------------------------------------------------------------
+class _Forward(logging.Handler):
+    def __init__(self, send) -> None:
+        super().__init__(logging.INFO)
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._send(("log", record.levelno, record.getMessage()))
+        except Exception:  # the parent is gone: nothing to tell
+            pass
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name)
+    try:  # the creator (the training process) owns the segment and unlinks it
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return shm
+
+
+def serve(conn: Connection) -> None:
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with lock:
+            conn.send(msg)
+
+    logger = logging.getLogger("checkpointless.durable")
+    logger.addHandler(_Forward(send))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        os.nice(HELPER_NICE)
+    except OSError:
+        pass
+    kind, settings = conn.recv()
+    assert kind == "init"
+    import torch
+
+    torch.set_num_threads(1)
+    # torch.save's zip CRC32 is a third of the helper's CPU per byte. This process runs
+    # no user code, so the global switch affects only our writes, and integrity is the
+    # manifest's job (xxh3-128 of every file, and the snapshot digests of every segment);
+    # torch.load does not check the zip CRC (see torch.serialization.set_crc32_options).
+    if hasattr(torch.serialization, "set_crc32_options"):
+        torch.serialization.set_crc32_options(False)
+    import replication.durable.dcp_io  # noqa: F401  (DCP is slow to import: before ready)
+    from replication.durable.saver import RankSaver
+    from replication.snapshot import SnapshotMeta
+
+    saver = RankSaver(SaverSettings(**settings))
+    jobs: queue.Queue = queue.Queue()
+    abort = threading.Event()  # set: abandon the current save
+    state = {"current": None, "aborted": set(), "closing": False}
+    state_lock = threading.Lock()
+
+    def reader() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the training process is gone
+                with state_lock:
+                    state["closing"] = True
+                abort.set()
+                jobs.put(None)
+                return
+            if msg[0] == "save":
+                jobs.put(msg[1])
+            elif msg[0] == "abort":
+                with state_lock:
+                    if msg[1] is None:
+                        state["closing"] = True
+                    else:
+                        state["aborted"].add(msg[1])
+                    if msg[1] is None or msg[1] == state["current"]:
+                        abort.set()
+            elif msg[0] == "stop":
+                jobs.put(None)
+                return
+
+    threading.Thread(target=reader, name="checkpointless-helper-reader", daemon=True).start()
+    send(("ready", os.getpid()))
+    shm: shared_memory.SharedMemory | None = None
+    while (job := jobs.get()) is not None:
+        with state_lock:
+            state["current"] = job["id"]
+            if state["closing"] or job["id"] in state["aborted"]:
+                abort.set()
+            else:
+                abort.clear()
+        meta = SnapshotMeta.from_bytes(job["meta"])
+        try:
+            if shm is None or shm.name != job["shm"]:
+                _detach(shm)
+                shm = _attach(job["shm"])
+            buf = torch.frombuffer(shm.buf, dtype=torch.uint8, count=job["nbytes"],
+                                   offset=STAGE_HEADER)
+            wait = _staged_waiter(shm, abort) if job.get("progressive") else None
+            result = saver.save(meta, buf, abort, wait)
+            del buf, wait
+        except BaseException as exc:  # report, never die silently
+            result = SaveResult(meta.step, saver.rank, FAILED, error=repr(exc)[:400])
+        if abort.is_set() and result.status == FAILED:
+            result.status = ABORTED
+        try:
+            send(("result", result.to_json()))
+        except OSError:
+            break
+    _detach(shm)
+
+
+def _staged_waiter(shm: shared_memory.SharedMemory, abort: threading.Event):
+    """``wait(end)``: block until the training process has staged ``buf[:end]``."""
+    import numpy as np
+
+    from replication.durable.storage import SaveAborted
+
+    counter = np.frombuffer(shm.buf, dtype=np.int64, count=1)
+
+    def wait(end: int) -> None:
+        while int(counter[0]) < end:
+            if abort.wait(0.0005):
+                raise SaveAborted("staging was abandoned")
+
+    return wait
+
+
+def _detach(shm: shared_memory.SharedMemory | None) -> None:
+    if shm is None:
+        return
+    gc.collect()  # drop tensors that still export the mapping
+    try:
+        shm.close()
+    except BufferError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    conn = Connection(int(args[0]))
+    code = 0
+    try:
+        serve(conn)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        conn.close()
+        sys.stderr.flush()
+        # Skip interpreter teardown: torch's can take seconds and nothing is left to do.
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
