@@ -32,6 +32,14 @@ BENCHES = {
         "accept": {"recovery_over_restart": ("<=", 0.15), "steps_lost": ("==", 0),
                    "bit_identical": ("==", True)},
     },
+    "bench_persist": {
+        "title": "Durable tier, async persistence (issue 4; library, not wired into runs)",
+        "accept": {
+            "block_over_sync": ("<=", 0.05),
+            "throughput_during_persist_ratio": (">=", 0.85),
+            "persist_over_raw_write": ("<=", 1.5),
+        },
+    },
     "bench_dataloader_cache": {
         "title": "Data loader cache (issue 5)",
         "accept": {
