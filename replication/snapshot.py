@@ -310,7 +310,7 @@ class SnapshotEngine:
         if all(t.device.type == "cpu" for t in flat.tensors):
             if self.checksum == "inline":
                 slot.digests = copy_and_digest(slot, flat)
-            else:
+            elif slot.views:  # _foreach_copy_ refuses empty lists
                 torch._foreach_copy_(slot.views, flat.tensors)
             return
         # GPU path (untested here): enqueue device->pinned copies on a side stream.

@@ -41,6 +41,9 @@ from tests.test_durable_support import (
     train,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist saves
+
+
 
 def _states(objs: dict) -> dict:
     return {k: copy.deepcopy(v.state_dict()) for k, v in objs.items()}

@@ -13,6 +13,9 @@ from launcher.cli import main
 from replication.snapshot import SnapshotEngine
 from tests.test_durable_support import config, make_state, make_writer, persist, train
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist saves
+
+
 
 @pytest.fixture(scope="module")
 def _master(tmp_path_factory):

@@ -61,6 +61,9 @@ print("WRITING", helper, flush=True)
 time.sleep(120)
 """
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist saves
+
+
 
 @pytest.fixture
 def faulty_fs():

@@ -13,9 +13,14 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from replication.durable import DurableWriter, list_checkpoints, load, scan
 from replication.snapshot import SnapshotEngine
 from tests.test_durable_support import config, make_state, persist, snapshot, train
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist saves
+
 
 
 def _wait_for(cond, timeout: float = 60.0) -> None:
@@ -79,7 +84,10 @@ def test_helper_process_saves_survives_its_death_and_aborts_on_close(tmp_path, c
 def test_a_helper_that_cannot_start_falls_back_to_a_thread(tmp_path, monkeypatch, caplog):
     import sys
 
-    monkeypatch.setattr(sys, "executable", "/bin/false")  # the helper exits at once
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\nsleep 0.3\nexit 3\n")  # a helper that dies while starting
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))
     state, objs = make_state()
     engine = SnapshotEngine(state)
     train(objs)

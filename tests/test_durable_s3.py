@@ -22,7 +22,10 @@ from tests.helpers.training import assert_tree_equal, make_model
 from tests.s3_server import moto_s3
 from tests.test_durable_support import config, make_state, make_writer, persist, train
 
-pytestmark = pytest.mark.s3
+pytestmark = [
+    pytest.mark.s3,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # no_dist saves
+]
 
 
 @pytest.fixture(scope="module")

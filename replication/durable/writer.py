@@ -31,6 +31,7 @@ the training loop; ``isolation="thread"`` runs the same code
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -428,14 +429,13 @@ class DurableWriter:
         progress = self._progress
         assert progress is not None
         progress[0] = 0
-        failure: BaseException | None = None
+        failure: list[str] = []  # a message, not the exception: its traceback pins buffers
 
         def stage() -> None:
-            nonlocal failure
             try:
                 self._stage(job, lambda end: progress.__setitem__(0, end))
             except (ChecksumMismatch, SnapshotError) as exc:
-                failure = exc
+                failure.append(str(exc))
                 raise
             finally:
                 job.ticket._release()
@@ -443,10 +443,10 @@ class DurableWriter:
         try:
             result = self._backend.save(meta.to_bytes(), step, self._shm.name, n, stage)
         except (ChecksumMismatch, SnapshotError):
-            failure = failure or RuntimeError("staging failed")
-        if failure is not None:  # the helper was told to abandon the save
+            failure = failure or ["staging failed"]
+        if failure:  # the helper was told to abandon the save
             self._saver.cleanup(step)
-            return _unverified(step, self.rank, failure)
+            return _unverified(step, self.rank, failure[0])
         if result.status in (FAILED, ABORTED) and not self._backend.alive:
             self._saver.cleanup(step)  # the helper died mid-save
             if not self._backend.ever_ready and not self._abort.is_set():
@@ -496,15 +496,19 @@ class DurableWriter:
         self._progress = None
         if self._shm is not None:
             shm, self._shm = self._shm, None
-            with contextlib.suppress(BufferError):
+            try:
                 shm.close()
+            except BufferError:  # a view still alive in a reference cycle
+                gc.collect()
+                with contextlib.suppress(BufferError):
+                    shm.close()
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
 
 
-def _unverified(step: int, rank: int, exc: BaseException) -> SaveResult:
+def _unverified(step: int, rank: int, why: object) -> SaveResult:
     return SaveResult(step, rank, FAILED, error=f"snapshot failed verification before "
-                      f"persisting: {exc}")
+                      f"persisting: {why}")
 
 
 def _shared_buffer(n: int) -> shared_memory.SharedMemory | None:
