@@ -86,6 +86,9 @@ class Checkpointless:
         )
         self.gen = protocol.current_generation(self.store)
         self.replicator: Replicator | None = None
+        self.durable = self._make_durable_writer()
+        self._persist_ticket: Any = None
+        self._persisted_step = -1
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self.watchdog.start(self.gen)
@@ -157,7 +160,13 @@ class Checkpointless:
 
     def _after_step(self, step: int) -> None:
         assert self.replicator is not None
+        if self._persist_ticket is not None:
+            # The next capture may reuse the buffer the durable writer is staging from.
+            self._persist_ticket.wait_released(self.settings.replication.timeout_s)
+            self._persist_ticket = None
         stall = self.replicator.maybe_snapshot(step)
+        if self.durable is not None:
+            self._persist_committed()
         if stall is not None:
             self._mark_loaders_committed()
         if self._resumed_from is not None:
@@ -166,6 +175,32 @@ class Checkpointless:
                           **info)
         if self.rank == 0:
             self.log.emit("step", step=step, gen=self.gen, stall_s=stall)
+
+    def _make_durable_writer(self) -> Any:
+        """The durable tier's background writer, when ``persistence.path`` is set."""
+        p = self.settings.persistence
+        if not p.path or not (p.every_n_steps or p.interval_s):
+            return None
+        from replication.durable import DurableWriter
+
+        return DurableWriter(p, self.rank, self.world_size, run_id=self.env.job_id)
+
+    def _persist_committed(self) -> None:
+        """Hand the newest committed snapshot to the durable writer (never waits on I/O).
+
+        ``maybe_snapshot`` has just waited for the previous round, so its step is
+        committed and its slot protected until the capture after next.
+        """
+        assert self.replicator is not None and self.durable is not None
+        last = self.replicator.last_round
+        if last is None or last.step <= self._persisted_step:
+            return
+        if not self.durable.should_persist(last.step):
+            return
+        slot = self.replicator.engine.slot_for(last.step)
+        assert slot.buffer is not None
+        self._persist_ticket = self.durable.submit(slot.meta(), slot.buffer)
+        self._persisted_step = last.step
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.
@@ -182,6 +217,9 @@ class Checkpointless:
     def _finish(self) -> None:
         assert self.replicator is not None
         self.replicator.wait()
+        if self.durable is not None:
+            self._persist_committed()  # the final step, now committed
+            self.durable.close()
         self.store.set(protocol.trained_key(self.rank), str(self.step))
         self.log.emit("worker_done", step=self.step, gen=self.gen)
         # The watchdog keeps beating until the process exits: the script may still have
