@@ -33,7 +33,7 @@ BENCHES = {
                    "bit_identical": ("==", True)},
     },
     "bench_persist": {
-        "title": "Durable tier, async persistence (issue 4; library, not wired into runs)",
+        "title": "Durable tier, async persistence (issue 4; the writer on its own)",
         "accept": {
             "block_over_sync": ("<=", 0.05),
             "throughput_during_persist_ratio": (">=", 0.85),
