@@ -38,7 +38,6 @@ ENV_JOB_ID = "CHECKPOINTLESS_INTERNAL_JOB_ID"
 ENV_CONFIG = "CHECKPOINTLESS_CONFIG_JSON"  # the resolved recipe, JSON
 
 # Exit codes a worker uses to tell its agent why it stopped.
-EXIT_OK = 0
 EXIT_FATAL = 3  # recovery impossible; the reason is under FATAL_KEY
 
 
@@ -65,9 +64,6 @@ def agent_heartbeat_key(node: int) -> str:
 def agent_info_key(node: int) -> str:
     return f"{PREFIX}/agent/{node}/info"
 
-
-def claim_key(gen: int, lost_node: int) -> str:
-    return f"{gen_prefix(gen)}/claim/{lost_node}"
 
 
 def current_generation(store: dist.Store) -> int:

@@ -36,8 +36,6 @@ class RecoveryPlan:
     def newcomers(self) -> list[int]:
         return sorted(self.providers)
 
-    def node_of_rank(self) -> list[int]:
-        return [self.records[r].node for r in sorted(self.records)]
 
 
 def join(

@@ -326,10 +326,8 @@ class Checkpointless:
         record = protocol.JoinRecord(
             rank=self.rank, node=self.env.node, pid=os.getpid(), newcomer=newcomer,
             local_steps=engine.held_steps() if engine else [],
-            replicas={
-                str(src): [s.step for s in replicas._slots.get(src, []) if s.complete]
-                for src in replicas.sources()
-            } if replicas else {},
+            replicas={str(src): steps for src, steps in replicas.held_steps().items()}
+            if replicas else {},
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         records = join(self.store, gen, record, self.world_size, timeout,

@@ -43,9 +43,6 @@ class Hasher:
         return self._h.hexdigest()
 
 
-def digest_bytes(raw: bytes | memoryview) -> str:
-    return xxhash.xxh3_128_hexdigest(raw)
-
 
 class ChecksumMismatch(RuntimeError):
     """Bytes whose digest differs from the one recorded when they were written."""

@@ -63,6 +63,12 @@ class ReplicaStore:
         held = sorted(s.step for s in self._slots.get(src, []) if s.complete)
         raise KeyError(f"no replica of rank {src} at step {step} (holding steps {held})")
 
+    def held_steps(self) -> dict[int, list[int]]:
+        """Source rank -> the steps of its complete replicas held here."""
+        return {
+            src: sorted(s.step for s in slots if s.complete) for src, slots in self._slots.items()
+        }
+
     def sources(self) -> list[int]:
         return sorted(self._slots)
 
@@ -73,7 +79,3 @@ class ReplicaStore:
             for s in slots
             if s.buffer is not None
         )
-
-    def drop(self, src: int) -> None:
-        with self._lock:
-            self._slots.pop(src, None)

@@ -36,7 +36,7 @@ import xxhash
 from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
-from replication.layout import SnapshotLayout
+from replication.layout import SnapshotLayout, flatten
 from replication.memory import (
     MemoryPlan,
     check_budget,
@@ -192,8 +192,6 @@ class Replicator:
 
     def check_budget(self) -> MemoryPlan:
         """Check the budget against the state's size now plus lazily created optimizer state."""
-        from replication.layout import flatten
-
         size = flatten(self.state.capture()).nbytes
         size += sum(
             lazy_optimizer_bytes(obj)

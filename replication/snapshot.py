@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,12 +273,10 @@ class SnapshotEngine:
         self._lock = threading.Lock()
         self._protected_step = -1  # the committed step; its slot is never overwritten
         self._stream = None
-        self.last_capture_s = 0.0
 
     # -- capture ---------------------------------------------------------------------
     def capture(self, step: int) -> SnapshotSlot:
         """Copy the live state into a free slot. This is the training loop's stall."""
-        t0 = time.perf_counter()
         flat = flatten(self.state.capture())
         slot = self._free_slot()
         if slot.layout != flat.layout:
@@ -288,7 +285,6 @@ class SnapshotEngine:
         self._copy(slot, flat)
         slot.skeletons = flat.skeletons
         slot.step = step
-        self.last_capture_s = time.perf_counter() - t0
         return slot
 
     def _free_slot(self) -> SnapshotSlot:
