@@ -18,8 +18,10 @@ goes on. The step function never sees generations, process groups or new ranks.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from recovery import process_groups, protocol
 from recovery.env import WorkerEnv
+from recovery.durable_restore import agree_and_read
 from recovery.errors import FailureDetected, InjectedFault, RecoveryImpossible
 from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
@@ -89,6 +92,7 @@ class Checkpointless:
         self.durable = self._make_durable_writer()
         self._persist_ticket: Any = None
         self._persisted_step = -1
+        self._durable_bytes = 0
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self.watchdog.start(self.gen)
@@ -100,9 +104,11 @@ class Checkpointless:
             self.start_step = self._recover({"kind": "replacement"}, newcomer=True) + 1
         else:
             self._setup_generation(0)
-            self.replicator.snapshot(0)  # the initial state is step 0, committed before training
-            self.replicator.wait()
-            self.start_step = 1
+            resumed = self._maybe_resume()
+            if resumed is None:
+                self.replicator.snapshot(0)  # the initial state is step 0, committed first
+                self.replicator.wait()
+            self.start_step = (resumed or 0) + 1
         self.log.emit("worker_ready", rank=self.rank, gen=self.gen, start_step=self.start_step,
                       replacement=self.env.replacement)
 
@@ -174,7 +180,19 @@ class Checkpointless:
             self.log.emit("resumed", step=step, resume_s=time.time() - info["recovered_at"],
                           **info)
         if self.rank == 0:
-            self.log.emit("step", step=step, gen=self.gen, stall_s=stall)
+            # the round that snapshot() just waited for (the previous snapshot's), if any
+            rnd = self.replicator.last_round if stall is not None else None
+            self.log.emit("step", step=step, gen=self.gen, stall_s=stall,
+                          replicated=dataclasses.asdict(rnd) if rnd is not None else None)
+
+    def _maybe_resume(self) -> int | None:
+        """A new job whose durable path holds checkpoints resumes from the newest valid
+        one (``persistence.resume: auto``); returns its step, or ``None``."""
+        p = self.settings.persistence
+        if not p.path or p.resume != "auto":
+            return None
+        return self._restore_from_durable(
+            0, "durable_resume", f"persistence.resume=auto and {p.path!r} holds checkpoints")
 
     def _make_durable_writer(self) -> Any:
         """The durable tier's background writer, when ``persistence.path`` is set."""
@@ -193,7 +211,9 @@ class Checkpointless:
         """
         assert self.replicator is not None and self.durable is not None
         last = self.replicator.last_round
-        if last is None or last.step <= self._persisted_step:
+        # Step 0 is the script's own initial state (or a checkpoint just restored): not
+        # worth the helper's start-up time, which would make the first real save skip.
+        if last is None or last.step <= max(self._persisted_step, 0):
             return
         if not self.durable.should_persist(last.step):
             return
@@ -218,7 +238,10 @@ class Checkpointless:
         assert self.replicator is not None
         self.replicator.wait()
         if self.durable is not None:
-            self._persist_committed()  # the final step, now committed
+            # The final step, now committed, is always persisted: let a save still in
+            # flight finish first, or the writer would skip it as "cannot keep up".
+            self.durable.flush(self.settings.replication.timeout_s)
+            self._persist_committed()
             self.durable.close()
         self.store.set(protocol.trained_key(self.rank), str(self.step))
         self.log.emit("worker_done", step=self.step, gen=self.gen)
@@ -287,10 +310,17 @@ class Checkpointless:
             self.watchdog.generation = gen
             try:
                 self.faults.at("recovery", self.step)
-                plan, t_rdzv = self._rendezvous(gen, newcomer), time.time()
+                records, t_rdzv = self._rendezvous(gen, newcomer), time.time()
+                try:
+                    plan, impossible = make_plan(gen, self.committed_step, records), None
+                except RecoveryImpossible as exc:  # every rank reaches the same verdict
+                    plan, impossible = RecoveryPlan(gen, -1, records, {}), str(exc)
                 self._setup_generation(gen)
                 t_pg = time.time()
-                moved = self._transfer(plan)
+                if impossible is None:
+                    moved = self._transfer(plan)
+                else:
+                    plan, moved = self._fall_back_to_durable(plan, impossible)
                 break
             except RecoveryImpossible as exc:
                 self._fatal(str(exc))
@@ -320,7 +350,7 @@ class Checkpointless:
         self.step = plan.target_step
         return plan.target_step
 
-    def _rendezvous(self, gen: int, newcomer: bool) -> RecoveryPlan:
+    def _rendezvous(self, gen: int, newcomer: bool) -> dict[int, protocol.JoinRecord]:
         engine = self.replicator.engine if self.replicator else None
         replicas = self.replicator.replicas if self.replicator else None
         record = protocol.JoinRecord(
@@ -330,9 +360,55 @@ class Checkpointless:
             if replicas else {},
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
-        records = join(self.store, gen, record, self.world_size, timeout,
-                       lambda: protocol.current_generation(self.store))
-        return make_plan(gen, self.committed_step, records)
+        return join(self.store, gen, record, self.world_size, timeout,
+                    lambda: protocol.current_generation(self.store))
+
+    # -- the durable tier ----------------------------------------------------------------
+    def _fall_back_to_durable(self, plan: RecoveryPlan, reason: str) -> tuple[RecoveryPlan, int]:
+        """In-memory recovery is impossible: every rank restores the newest durable
+        checkpoint that all of them can verify (see :mod:`recovery.durable_restore`)."""
+        path = self.settings.persistence.path
+        if not path:
+            raise RecoveryImpossible(f"{reason}; persistence.path is not set, so there is no "
+                                     "durable checkpoint to fall back to")
+        step = self._restore_from_durable(plan.gen, "durable_fallback", reason)
+        if step is None:
+            raise RecoveryImpossible(f"{reason}; and the durable tier at {path!r} holds no "
+                                     "complete checkpoint yet")
+        return RecoveryPlan(plan.gen, step, plan.records, {}), self._durable_bytes
+
+    def _restore_from_durable(self, gen: int, event: str, reason: str) -> int | None:
+        """Agree on a checkpoint, restore it, and make its step the committed one.
+
+        Returns the restored step, or ``None`` when storage holds no checkpoint. The
+        restored state is snapshotted and replicated at once (as step 0 is at start),
+        so the next failure can again be recovered from memory.
+        """
+        assert self.replicator is not None
+        committed_before = self.committed_step
+        got = agree_and_read(self.store, gen, self.rank, self.world_size,
+                             self.settings.persistence,
+                             lambda: protocol.current_generation(self.store))
+        if got is None:
+            return None
+        choice, meta, buffer = got
+        restore_from_buffer(self.state, buffer, meta)
+        self._durable_bytes = buffer.numel()
+        del buffer
+        self.replicator.snapshot(choice.step)
+        self.replicator.wait()
+        self._persisted_step = choice.step
+        lost = max(0, committed_before - choice.step) if committed_before >= 0 else 0
+        self.log.emit(event, rank=self.rank, gen=gen, step=choice.step, path=choice.url,
+                      reason=reason, skipped=choice.skipped, committed_before=committed_before,
+                      steps_lost=lost, read_s=round(choice.read_s, 4))
+        if self.rank == 0:
+            skipped = "".join(f"; skipped step {s['step']} ({s['reason']})"
+                              for s in choice.skipped)
+            what = "resuming" if event == "durable_resume" else "falling back to durable storage"
+            print(f"[checkpointless] {what}: {reason}; every rank restored step {choice.step} "
+                  f"from {choice.url}{skipped}", file=sys.stderr, flush=True)
+        return choice.step
 
     def _transfer(self, plan: RecoveryPlan) -> int:
         rep = self.replicator

@@ -80,6 +80,14 @@ class PersistenceConfig:
     storage_options: dict = field(
         default_factory=dict, metadata={"help": "options passed to fsspec.filesystem()"}
     )
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "at job start: 'auto' resumes from the newest valid checkpoint under "
+            "path (if any), 'never' starts fresh",
+            "choices": ["auto", "never"],
+        },
+    )
 
 
 @dataclass
