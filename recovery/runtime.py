@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from recovery import process_groups, protocol
-from recovery.env import WorkerEnv
 from recovery.durable_restore import agree_and_read
+from recovery.env import WorkerEnv
 from recovery.errors import FailureDetected, InjectedFault, RecoveryImpossible
 from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
@@ -273,6 +273,7 @@ class Checkpointless:
             committed_key=protocol.COMMITTED_KEY,
             engine=old.engine if old else None, replicas=old.replicas if old else None,
             fault_hook=self.faults.at if self.faults else None,
+            durable_staging=bool(self.durable is not None and self.durable.staging),
         )
         self.replicator.should_abort = lambda: self.watchdog.failure_pending
         self.gen = self.watchdog.generation = gen

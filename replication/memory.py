@@ -32,7 +32,8 @@ class MemoryPlan:
 
     state_bytes: int
     factor: int
-    staging_bytes: int
+    staging_bytes: int  # transfer staging (GPU snapshots)
+    durable_staging_bytes: int = 0  # the durable writer's copy of a snapshot being written
 
     @property
     def own_bytes(self) -> int:
@@ -44,7 +45,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.own_bytes + self.replica_bytes + self.staging_bytes
+        return self.own_bytes + self.replica_bytes + self.staging_bytes + self.durable_staging_bytes
 
 
 def lazy_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -85,6 +86,8 @@ def check_budget(
     if budget is None:
         budget = host_budget_bytes(config, local_world_size)
     if plan.total_bytes > budget:
+        durable = (f" + {_fmt(plan.durable_staging_bytes)} durable-tier staging (persistence.path "
+                   "is set)" if plan.durable_staging_bytes else "")
         source = (
             f"memory.host_budget_bytes={config.host_budget_bytes}"
             if config.host_budget_bytes > 0
@@ -95,7 +98,8 @@ def check_budget(
             "checkpointless cannot hold this rank's recovery state in host memory: needs "
             f"{_fmt(plan.total_bytes)} = 2 x {_fmt(plan.state_bytes)} snapshot "
             f"+ 2 x {plan.factor - 1} x {_fmt(plan.state_bytes)} replicas "
-            f"+ {_fmt(plan.staging_bytes)} staging, but the budget is {_fmt(budget)} "
+            f"+ {_fmt(plan.staging_bytes)} staging"
+            f"{durable}, but the budget is {_fmt(budget)} "
             f"({source}). Lower replication.factor, raise memory.host_budget_bytes, or "
             "shard the state over more ranks."
         )

@@ -133,10 +133,12 @@ class Replicator:
         engine: SnapshotEngine | None = None,
         replicas: ReplicaStore | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
+        durable_staging: bool = False,
     ) -> None:
         """``engine``/``replicas`` carry snapshots over from a previous generation's
         replicator; ``fault_hook(phase, step)`` is called at the ``snapshot`` and
-        ``replication`` phases so tests can inject failures there."""
+        ``replication`` phases so tests can inject failures there. ``durable_staging``:
+        a durable writer keeps a staging copy of one snapshot, counted in the budget."""
         self.config = config or ReplicationConfig()
         self.memory = memory or MemoryConfig()
         self.state = state
@@ -155,6 +157,7 @@ class Replicator:
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)
         self._fault_hook = fault_hook
+        self._durable_staging = durable_staging
         self.should_abort: Callable[[], bool] | None = None
         self.channel = SideChannel(
             store, rank, world_size, prefix=f"{prefix}/side",
@@ -188,7 +191,8 @@ class Replicator:
     # -- memory ----------------------------------------------------------------------
     def plan(self, state_bytes: int) -> MemoryPlan:
         staging = 2 * self.config.chunk_bytes if self.config.device == "cuda" else 0
-        return MemoryPlan(state_bytes, self.config.factor, staging)
+        durable = state_bytes if self._durable_staging else 0
+        return MemoryPlan(state_bytes, self.config.factor, staging, durable)
 
     def check_budget(self) -> MemoryPlan:
         """Check the budget against the state's size now plus lazily created optimizer state."""

@@ -47,6 +47,16 @@ def test_refusal_message_gives_needed_bytes_and_budget():
     assert "replication.factor" in msg  # says what to change
 
 
+def test_durable_staging_copy_is_counted_and_named():
+    plan = MemoryPlan(state_bytes=MiB, factor=2, staging_bytes=0, durable_staging_bytes=MiB)
+    assert plan.total_bytes == 5 * MiB
+    assert check_budget(plan, MemoryConfig(host_budget_bytes=5 * MiB), 1) == 5 * MiB
+    with pytest.raises(MemoryBudgetError) as info:
+        check_budget(plan, MemoryConfig(host_budget_bytes=5 * MiB - 1), 1)
+    msg = str(info.value)
+    assert "needs 5.0 MiB" in msg and "1.0 MiB durable-tier staging" in msg, msg
+
+
 def test_budget_boundary_is_inclusive():
     plan = MemoryPlan(state_bytes=1000, factor=2, staging_bytes=24)
     assert check_budget(plan, MemoryConfig(host_budget_bytes=4024), 4) == 4024
