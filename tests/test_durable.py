@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -417,3 +418,29 @@ def test_staging_is_paced_unless_the_caller_needs_its_buffer_sooner(tmp_path, mo
             took.append(time.monotonic() - t0)
             assert ticket.result(30).status == "ok"
     assert took[0] >= 0.5 and took[1] < 0.3, took
+
+
+def test_a_save_submitted_just_before_close_is_written(tmp_path):
+    """Regression: the writer thread, busy appending history rows when the final step
+    was submitted and close() called, used to exit and abandon that save."""
+    state, objs = make_state()
+    engine = SnapshotEngine(state)
+    writer = make_writer(config(str(tmp_path)), 0, 1)
+    slow_append, entered = writer._history.append, threading.Event()
+
+    def append(rows):  # the history write is slow (busy storage)
+        if rows:
+            entered.set()
+            time.sleep(0.5)
+        slow_append(rows)
+
+    writer._history.append = append
+    train(objs)
+    assert persist(writer, engine, 1).status == "ok"  # leaves a history row to write
+    assert entered.wait(10)
+    train(objs)
+    meta, buf = snapshot(engine, 2)
+    ticket = writer.submit(meta, buf)
+    writer.close(timeout=20)
+    assert ticket.result(1).status == "ok"
+    assert [c.step for c in durable.list_checkpoints(str(tmp_path))] == [1, 2]

@@ -349,11 +349,11 @@ class DurableWriter:
                 rows, self._rows = self._rows, []
             self._history.append(rows)
             if job is None:
-                if self._closed:
-                    with self._cond:
-                        rows, self._rows = self._rows, []
-                    self._history.append(rows)
-                    return
+                # Decide under the lock: a save submitted just before close() (the final
+                # step) may have arrived while the history was being written.
+                with self._cond:
+                    if self._closed and self._pending is None and not self._rows:
+                        return
                 continue
             try:
                 result = self._process(job)
