@@ -4,11 +4,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
+# NeMo 3.x pins lightning 2.4, the main environment has a newer one: NeMo gets its own.
+NEMO_VENV  := .venv-nemo
+NEMO_PY    := $(NEMO_VENV)/bin/python
+NEMO_STAMP := $(NEMO_VENV)/.setup-stamp
 # The CPU wheel of torch; a newer or unpinned torch would pull a multi-GB CUDA build.
 # GPU users: see README.md ("Installing on GPU hosts").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast test-slow bench lint clean
+.PHONY: setup setup-nemo demo test test-nemo test-fast test-slow bench lint clean
 
 setup: $(STAMP)
 
@@ -19,12 +23,25 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+setup-nemo: $(NEMO_STAMP)
+
+$(NEMO_STAMP): pyproject.toml Makefile
+	test -x $(NEMO_PY) || $(PYTHON) -m venv $(NEMO_VENV)
+	$(NEMO_PY) -m pip install -q --upgrade pip
+	$(NEMO_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(NEMO_PY) -m pip install -q -e ".[nemo]" "pytest>=8" "pytest-timeout>=2.3"
+	touch $(NEMO_STAMP)
+
 demo: setup
 	$(PY) -m examples.demo
 
-test: setup
+test: setup setup-nemo
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+	$(NEMO_PY) -m pytest -q tests/nemo_toolkit
+
+test-nemo: setup-nemo
+	$(NEMO_PY) -m pytest -q tests/nemo_toolkit
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
@@ -39,4 +56,4 @@ lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEMO_VENV) build *.egg-info .pytest_cache

@@ -40,6 +40,11 @@ BENCHES = {
             "persist_over_raw_write": ("<=", 1.5),
         },
     },
+    "bench_lightning": {
+        "title": "Lightning: in-process recovery vs torchrun restart with ckpt_path (issue 6)",
+        "accept": {"lightning_recovery_over_restart": ("<=", 0.2),
+                   "bit_identical": ("==", True)},
+    },
     "bench_dataloader_cache": {
         "title": "Data loader cache (issue 5)",
         "accept": {
@@ -104,7 +109,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*", default=None)
     args = ap.parse_args()
+    latest = REPO / "benchmarks" / "results" / "latest.json"
     results: dict[str, dict] = {}
+    if args.only and latest.exists():  # re-run some, keep the others' latest figures
+        results = {k: v for k, v in json.loads(latest.read_text()).items() if k in BENCHES}
     for name in BENCHES:
         if args.only and name not in args.only:
             continue

@@ -34,7 +34,9 @@ from typing import Any
 import torch.distributed as dist
 
 from launcher import rendezvous as rdzv
+from launcher import worker_output
 from launcher.config import CheckpointlessConfig, config_to_json
+from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
 from launcher.worker_procs import (
@@ -45,7 +47,7 @@ from launcher.worker_procs import (
     make_heartbeat_file,
     stop_processes,
 )
-from recovery import protocol
+from recovery import auth, protocol
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 
@@ -77,6 +79,8 @@ class Agent:
         self.store: dist.Store | None = None
         self.spares: SparePool | None = None
         self.heartbeat: rdzv.Heartbeat | None = None
+        self.job_store: rdzv.JobStore | None = None
+        self.done = rdzv.DoneWatch(args.world_size)
         self._signal: int | None = None
         self._wake = threading.Event()
         self._seq = itertools.count()
@@ -110,6 +114,9 @@ class Agent:
             if self.heartbeat is not None:
                 self.heartbeat.stop()
             self._stop_local()
+            worker_output.drain()  # the workers' last lines, before we exit
+            if self.job_store is not None:
+                self.job_store.release()
 
     def _on_signal_received(self, signum: int, _frame: Any) -> None:
         if self._signal is None:
@@ -119,19 +126,16 @@ class Agent:
     # --- joining --------------------------------------------------------------------
     def _connect(self) -> None:
         a = self.args
-        if a.hosts_store:
-            self.store = rdzv.host_store(a.host, a.port)
-            port = self.store.port
-        else:
-            self.store = rdzv.connect_store(a.host, a.port, a.join_timeout_s,
-                                            lambda: self._signal is not None)
-            port = a.port
+        auth.set_reporter(self._on_auth_rejected)  # values that fail the job-key check
+        self.job_store = rdzv.open_job_store(a, self.run_dir, lambda: self._signal is not None)
+        self.store, port = self.job_store.store, self.job_store.port
         self.cfg.run_dir = self.run_dir
         self.cfg.recovery.events_file = self.events.path
         self.job = JobEnv(
             store_host=a.host, store_port=port, nproc=a.nproc, nnodes=a.nnodes,
             node=self.node, run_id=a.rdzv_id, max_restarts=self.rcfg.max_restarts,
             run_dir=self.run_dir, config_json=config_to_json(self.cfg),
+            job_key=self.job_store.signer.key_hex(), gloo_ifname=self.job_store.plan.gloo_ifname,
         )
         self.base_env = self.job.base()
         self.spares = SparePool(a.spares, self.base_env, self._emit)
@@ -143,12 +147,16 @@ class Agent:
             )
         self.group = None if a.is_spare_node else self.node
         rdzv.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
-        self.heartbeat = rdzv.Heartbeat(a.host, port, self.node, self.rcfg.heartbeat_interval_s)
+        self.heartbeat = rdzv.Heartbeat(a.host, port, self.node, self.rcfg.heartbeat_interval_s,
+                                        group_of=lambda: self.group)
         self.heartbeat.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
-        self._emit("agent_start", pid=os.getpid(), role=role, store=f"{a.host}:{port}")
+        # world size, cwd and the resolved recipe let `checkpointless report` read the run
+        self._emit("agent_start", pid=os.getpid(), role=role, store=f"{a.host}:{port}",
+                   world_size=a.world_size, cwd=os.getcwd(), config=recorded_config(self.cfg))
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, "
                   f"run dir {self.run_dir})")
+        self._log(f"listening on {self.job_store.plan.describe}")
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
@@ -160,7 +168,6 @@ class Agent:
 
     # --- the loop -------------------------------------------------------------------
     def _loop(self) -> int:
-        world = self.args.world_size
         while True:
             if self._signal is not None:
                 return self._stop()
@@ -174,7 +181,7 @@ class Agent:
                 self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
                 self._check_peers(gen)
             self._settle_lost_groups()
-            if protocol.done_count(self.store) >= world:
+            if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()
             self._wake.wait(self.args.monitor_interval_s)
 
@@ -191,7 +198,7 @@ class Agent:
             self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)
-            elif self.store.check([protocol.trained_key(w.rank)]):
+            elif protocol.is_trained(self.store, w.rank):
                 # Its last step was committed everywhere; a crash on the way out loses
                 # nothing and must not start a recovery the finished ranks cannot join.
                 self._log(f"rank {w.rank} exited with {sig or code} after training finished")
@@ -212,7 +219,7 @@ class Agent:
         self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for {silent:.1f}s: killing it")
         w.kill()
         del self.workers[w.rank]
-        if self.store.check([protocol.trained_key(w.rank)]):
+        if protocol.is_trained(self.store, w.rank):
             self._log(f"rank {w.rank} stalled on its way out after training finished")
             self._record_done(w.rank)
             return
@@ -227,7 +234,7 @@ class Agent:
             return  # the job or this node is ending (a Ctrl-C reaches workers too)
         what = describe(cause)
         self._log(what)
-        finished = protocol.done_count(self.store)
+        finished = self.done.finished(self.store)
         if finished:
             protocol.set_fatal(self.store, f"{what} after {finished} of {self.args.world_size} "
                                "ranks had finished; the finished ranks cannot join a recovery")
@@ -279,10 +286,7 @@ class Agent:
                       f"(pid {proc.pid})")
 
     def _record_done(self, rank: int) -> None:
-        key = protocol.done_key(rank)
-        if not self.store.check([key]):
-            self.store.set(key, "1")
-            self.store.add(protocol.DONE_COUNT_KEY, 1)
+        protocol.record_done(self.store, rank)
 
     # --- other nodes ----------------------------------------------------------------
     def _check_peers(self, gen: int) -> None:
@@ -306,7 +310,7 @@ class Agent:
         """Take over a lost group if idle; give up on it when nobody does in time."""
         for g, lost in list(self.lost_groups.items()):
             owner = rdzv.owner(self.store, g)
-            if owner != lost.lost_node:
+            if owner is not None and owner != lost.lost_node:
                 del self.lost_groups[g]  # someone (maybe this agent) took it
             elif self.group is None and rdzv.take_over(self.store, g, lost.lost_node, self.node):
                 del self.lost_groups[g]
@@ -378,7 +382,7 @@ class Agent:
     def _mark_finished(self) -> None:
         if self.store is not None:
             with contextlib.suppress(dist.DistError, RuntimeError):
-                self.store.set(protocol.agent_finished_key(self.node), "1")
+                protocol.mark_agent_finished(self.store, self.node)
 
     def _linger(self, bound_s: float) -> None:
         """The store host waits until the other agents have seen the end (bounded)."""
@@ -390,7 +394,7 @@ class Agent:
                 others = [n for n in rdzv.registered_nodes(self.store) if n != self.node]
                 self.watch.check(self.store, protocol.current_generation(self.store))
                 pending = [n for n in others if n not in self.watch.lost
-                           and not self.store.check([protocol.agent_finished_key(n)])]
+                           and not protocol.agent_finished(self.store, n)]
                 if not pending:
                     return
                 time.sleep(0.05)
@@ -401,6 +405,12 @@ class Agent:
 
     def _emit(self, event: str, **fields: Any) -> None:
         self.events.emit(event, node=self.node, **fields)
+
+    def _on_auth_rejected(self, **fields: Any) -> None:
+        """A store value failed the job-key check (forged, or from another job's secret)."""
+        self._emit("auth_rejected", **fields)
+        self._log(f"ignored a value of {fields['key']!r} that is not sealed with the job's "
+                  f"key ({fields['reason']})")
 
     def _log(self, message: str) -> None:
         print(f"[checkpointless node {self.node}] {message}", file=sys.stderr, flush=True)

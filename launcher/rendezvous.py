@@ -8,8 +8,16 @@ Agents then coordinate only through keys from :mod:`recovery.protocol`:
   Observers judge liveness by *change* of the value, timed on their own monotonic
   clock, so no two machines' clocks are ever compared;
 - ``group_owner_key(g)`` names the agent that runs group ``g``'s ranks. Ownership is
-  moved with a compare-and-set from the lost owner's id, which makes the takeover of a
-  lost node's ranks exclusive without depending on which generation each claimer saw.
+  moved with a compare-and-set from the lost owner's record, which makes the takeover of
+  a lost node's ranks exclusive without depending on which generation each claimer saw.
+
+Every one of these values is sealed with the job key (:mod:`recovery.auth`): a process
+without the job secret can write into the store, but no agent acts on what it writes.
+Heartbeats are sealed sequence numbers, so a forger can neither fake a beat for a dead
+node nor make a live one look silent by writing an old value back; owner records carry
+an epoch that grows with each takeover, so an old one written back is recognised. The
+heartbeat thread also puts back this agent's owner record and the generation records
+if something overwrote them (``docs/security.md`` says what remains possible).
 
 Limitation (shared with torchrun's c10d backend): the store lives in node 0's agent, so
 losing node 0 ends the job; every agent then reports a lost store instead of hanging.
@@ -17,6 +25,7 @@ losing node 0 ends the job; every agent then reports a lost store instead of han
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -28,7 +37,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from recovery import protocol
+from launcher import bind as bind_mod
+from launcher import job_secret
+from launcher.run_args import RunArgs
+from recovery import auth, protocol
+from replication import signing
+from replication.commit import UntrustedCommit
+from replication.commit import committed_step as _committed_step
+from replication.signing import Signer
 
 #: Per-operation timeout once connected: long enough for a busy store, short enough
 #: that an agent never waits forever on a stopped one.
@@ -39,19 +55,85 @@ class StoreUnavailable(RuntimeError):
     """The job's store cannot be hosted or reached, or went away."""
 
 
-def host_store(host: str, port: int) -> dist.TCPStore:
-    """Start the job's store server (node 0). ``port`` 0 picks a free port."""
+def host_store(host: str, port: int, address: str | None = None) -> dist.TCPStore:
+    """Start the job's store server (node 0). ``port`` 0 picks a free port.
+
+    ``address``: listen there only (c10d's server itself always listens on every
+    interface, so we bind the socket and hand it over with ``master_listen_fd``); None
+    listens on every interface. The store host then publishes the sealed key check.
+    """
+    timeout = timedelta(seconds=OP_TIMEOUT_S)
     try:
-        store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=OP_TIMEOUT_S),
-        )
+        if address is None:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                  timeout=timeout)
+        else:
+            sock = bind_mod.listening_socket(address, port)
+            bound = sock.getsockname()[1]
+            fd = sock.detach()  # the store owns the descriptor from here on
+            try:
+                store = dist.TCPStore(address, bound, is_master=True, wait_for_workers=False,
+                                      timeout=timeout, master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot host the job store on {address or host}:{port}: "
+                               f"{exc.strerror or exc}") from None
     except (dist.DistError, RuntimeError) as exc:
         raise StoreUnavailable(
-            f"cannot host the job store on {host}:{port}: {brief(exc)}"
+            f"cannot host the job store on {address or host}:{port}: {brief(exc)}"
         ) from None
-    protocol.init_generation(store)
+    protocol.publish_keycheck(store)
     return store
+
+
+@dataclass
+class JobStore:
+    """The job store as this agent reached it, with what it authenticates with."""
+
+    store: dist.TCPStore
+    port: int
+    signer: Signer
+    plan: bind_mod.BindPlan
+    shared_secret_file: str | None = None  # left for this machine's other agents
+
+    def release(self) -> None:
+        """Remove the secret file this agent left (the job is over)."""
+        if self.shared_secret_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.shared_secret_file)
+
+
+def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool]) -> JobStore:
+    """Host (node 0) or join the job store, with the job key installed for this process.
+
+    The secret comes from ``args`` (``run_args.prepare``); without one, node 0 generates
+    it and, when every agent runs on this machine, leaves it in the run directory for
+    the others, who read it once the store is reachable. A joining agent then checks its
+    key against the store host's before it writes anything.
+    """
+    plan = args.bind_plan or bind_mod.choose(
+        args.bind, args.host, args.port, args.hosts_store,
+        multi_node=args.nnodes > 1 or args.node_rank > 0)
+    secret, shared = args.job_secret, None
+    if args.hosts_store:
+        if secret is None:
+            secret = job_secret.generate()
+            if bind_mod.is_local_only(args.host) and not args.standalone:  # others may join
+                shared = job_secret.share_locally(run_dir, secret)
+        signing.install(job_secret.signer_for(secret, args.rdzv_id))
+        store = host_store(args.host, args.port, plan.address)
+        return JobStore(store, store.port, signing.process_signer(), plan, shared)
+    store = connect_store(args.host, args.port, args.join_timeout_s, should_stop)
+    if secret is None:
+        try:
+            secret = job_secret.read_shared(run_dir, should_stop=should_stop)
+        except job_secret.SecretError as exc:
+            raise StoreUnavailable(str(exc)) from None
+    signing.install(job_secret.signer_for(secret, args.rdzv_id))
+    check_job_key(store, f"{args.host}:{args.port}")
+    return JobStore(store, args.port, signing.process_signer(), plan)
 
 
 def connect_store(
@@ -80,8 +162,21 @@ def connect_store(
     except (dist.DistError, RuntimeError) as exc:
         raise StoreUnavailable(f"cannot connect to the job store at {host}:{port}: "
                                f"{brief(exc)}") from None
-    protocol.init_generation(store)
     return store
+
+
+def check_job_key(store: dist.Store, where: str, timeout_s: float = 10.0) -> None:
+    """Stop (before writing anything) if this agent's job secret is not the job's."""
+    deadline = time.monotonic() + timeout_s
+    while (ok := protocol.keycheck(store)) is None:
+        if time.monotonic() > deadline:
+            raise StoreUnavailable(f"the job store at {where} has no key check record: it is "
+                                   "not a checkpointless job store of this version")
+        time.sleep(0.05)
+    if not ok:
+        raise StoreUnavailable(
+            f"this agent's job secret is not the one the job at {where} was started with "
+            "(CHECKPOINTLESS_JOB_SECRET / --job-secret-file must be the same on every node)")
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -98,57 +193,137 @@ def brief(exc: BaseException) -> str:
 
 
 def register(store: dist.Store, node: int, nproc: int, spare: bool) -> None:
-    """Publish this agent; its heartbeat key exists before anyone can list it."""
+    """Publish this agent; its heartbeat key exists before anyone can list it.
+
+    The agents list is an append-only string of sealed entries between commas, so a
+    forged or garbled entry (or a forger's unterminated text) spoils nothing but itself.
+    """
     info = {"node": node, "host": socket.gethostname(), "pid": os.getpid(),
             "nproc": nproc, "spare": spare}
-    store.set(protocol.agent_info_key(node), json.dumps(info))
-    store.add(protocol.agent_heartbeat_key(node), 1)
-    store.append(protocol.AGENTS_KEY, f"{node},")
+    auth.put(store, protocol.agent_info_key(node), json.dumps(info))
+    auth.put(store, protocol.agent_heartbeat_key(node), "0")
+    entry = signing.process_signer().seal(protocol.AGENTS_KEY, str(node))
+    store.append(protocol.AGENTS_KEY, b"," + entry + b",")
 
 
 def registered_nodes(store: dist.Store) -> list[int]:
-    if not store.check([protocol.AGENTS_KEY]):
+    """Nodes with a validly sealed entry in the agents list."""
+    raw = auth.read_raw(store, protocol.AGENTS_KEY)
+    if raw is None:
         return []
-    raw = store.get(protocol.AGENTS_KEY).decode()
-    return sorted({int(part) for part in raw.split(",") if part})
+    nodes = set()
+    for token in bytes(raw).split(b","):
+        payload = auth.open_value(protocol.AGENTS_KEY, token) if token else None
+        if payload is not None:
+            nodes.add(int(payload))
+    return sorted(nodes)
 
 
 def agent_info(store: dist.Store, node: int) -> dict | None:
     return protocol.read_json(store, protocol.agent_info_key(node))
 
 
+@dataclass(frozen=True)
+class OwnerRecord:
+    node: int
+    epoch: int  # 0 at launch, +1 with each takeover
+    raw: bytes  # the sealed value as stored
+
+
+#: group -> the newest owner record this process verified (one job per agent process).
+_owners_seen: dict[int, OwnerRecord] = {}
+
+
+def _owner_payload(node: int, epoch: int) -> str:
+    return json.dumps({"node": node, "epoch": epoch})
+
+
+def _parse_owner(group: int, raw: bytes | None) -> OwnerRecord | None:
+    payload = auth.open_value(protocol.group_owner_key(group), raw)
+    if payload is None or raw is None:
+        return None
+    d = json.loads(payload)
+    rec = OwnerRecord(int(d["node"]), int(d["epoch"]), bytes(raw))
+    known = _owners_seen.get(group)
+    if known is not None and rec.epoch < known.epoch:
+        auth.report(protocol.group_owner_key(group), rec.raw,
+                    f"an old owner record written back (epoch {rec.epoch} < {known.epoch})")
+        return None
+    _owners_seen[group] = rec
+    return rec
+
+
 def own_group(store: dist.Store, group: int, node: int) -> bool:
     """Claim group ``group`` at launch; False if some agent already owns it."""
     key = protocol.group_owner_key(group)
-    return store.compare_set(key, "", str(node)).decode() == str(node)
+    _, payload = auth.claim(store, key, _owner_payload(node, 0))
+    d = json.loads(payload)
+    if int(d["node"]) != node:
+        return False
+    # Seals are deterministic: this is exactly the value in the store.
+    sealed = signing.process_signer().seal(key, payload)
+    _owners_seen[group] = OwnerRecord(node, int(d["epoch"]), sealed)
+    return True
 
 
 def take_over(store: dist.Store, group: int, lost: int, node: int) -> bool:
-    """Move ``group`` from the lost node to this one; exactly one claimer wins."""
+    """Move ``group`` from the lost node to this one; exactly one claimer wins.
+
+    The compare-and-set goes from the exact stored value. If that value does not verify
+    (a forger overwrote the lost owner's record), the record this agent verified before
+    stands in for it, so a forger cannot block the takeover of a lost node's ranks.
+    """
     key = protocol.group_owner_key(group)
-    return store.compare_set(key, str(lost), str(node)).decode() == str(node)
+    raw = auth.read_raw(store, key)
+    rec = _parse_owner(group, raw)
+    if rec is None:
+        rec = _owners_seen.get(group)
+    if rec is None or rec.node != lost:
+        return False
+    payload = _owner_payload(node, rec.epoch + 1)
+    if not auth.replace(store, key, raw or b"", payload):
+        return False
+    _parse_owner(group, signing.process_signer().seal(key, payload))
+    return True
+
+
+def reassert_owner(store: dist.Store, group: int, node: int) -> None:
+    """Put this agent's owner record back if a forger replaced or deleted it."""
+    known = _owners_seen.get(group)
+    if known is None or known.node != node:
+        return
+    key = protocol.group_owner_key(group)
+    raw = auth.read_raw(store, key)
+    if raw is not None and bytes(raw) == known.raw:
+        return
+    current = _parse_owner(group, raw)
+    if current is not None and current.epoch > known.epoch:
+        return  # legitimately taken over by another agent
+    store.compare_set(key, bytes(raw) if raw is not None else b"", known.raw)
 
 
 def owner(store: dist.Store, group: int) -> int | None:
-    key = protocol.group_owner_key(group)
-    return int(store.get(key).decode()) if store.check([key]) else None
+    """The node owning ``group``; None if none does or the record does not verify."""
+    rec = _parse_owner(group, auth.read_raw(store, protocol.group_owner_key(group)))
+    return None if rec is None else rec.node
 
 
 def owners(store: dist.Store, ngroups: int) -> dict[int, int | None]:
-    """group -> owning node (None while a group has no owner yet, before the launch)."""
+    """group -> owning node (None while a group has no verified owner, e.g. before launch)."""
     keys = [protocol.group_owner_key(g) for g in range(ngroups)]
     present = [g for g, k in enumerate(keys) if store.check([k])]
     values = store.multi_get([keys[g] for g in present]) if present else []
-    found = {g: int(v.decode()) for g, v in zip(present, values)}
-    return {g: found.get(g) for g in range(ngroups)}
+    found = {g: _parse_owner(g, bytes(v)) for g, v in zip(present, values)}
+    return {g: (rec.node if (rec := found.get(g)) is not None else None) for g in range(ngroups)}
 
 
 def committed_step(store: dist.Store) -> int | str | None:
-    """The newest committed step, if the runtime recorded one (its format is its own)."""
-    if not store.check([protocol.COMMITTED_KEY]):
-        return None
-    raw = store.get(protocol.COMMITTED_KEY).decode()
-    return int(raw) if raw.strip().lstrip("-").isdigit() else raw
+    """The newest committed step, for the agent's report ("unverified" if forged)."""
+    try:
+        step = _committed_step(store, protocol.COMMITTED_KEY)
+    except UntrustedCommit:
+        return "unverified"
+    return None if step < 0 else step
 
 
 def wait_for_groups(
@@ -179,24 +354,35 @@ def wait_for_groups(
 
 
 class Heartbeat(threading.Thread):
-    """Bumps this agent's heartbeat counter on its own connection.
+    """Writes this agent's sealed heartbeat sequence number on its own connection.
 
     A separate client keeps beats flowing while the main loop waits on the store (a
     ``declare_failure`` can take a while), and avoids sharing one socket between threads.
+    Each beat also puts back this agent's owner record and the generation records if a
+    forger replaced them (:func:`reassert_owner`, ``protocol.reassert_generations``).
     """
 
-    def __init__(self, host: str, port: int, node: int, interval_s: float) -> None:
+    def __init__(self, host: str, port: int, node: int, interval_s: float,
+                 group_of: Callable[[], int | None] = lambda: None) -> None:
         super().__init__(name=f"checkpointless-heartbeat-{node}", daemon=True)
         self._addr = (host, port)
+        self._node = node
         self._key = protocol.agent_heartbeat_key(node)
         self._interval = interval_s
+        self._group_of = group_of
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         try:
             store = connect_store(*self._addr, timeout_s=OP_TIMEOUT_S)
+            seq = 0
             while not self._stop_event.wait(self._interval):
-                store.add(self._key, 1)
+                seq += 1
+                auth.put(store, self._key, str(seq))
+                group = self._group_of()
+                if group is not None:
+                    reassert_owner(store, group, self._node)
+                protocol.reassert_generations(store)
         except (StoreUnavailable, dist.DistError, RuntimeError):
             return  # the main loop notices a dead store on its own next operation
 
@@ -206,8 +392,8 @@ class Heartbeat(threading.Thread):
 
 @dataclass
 class _Peer:
-    value: bytes
-    changed_at: float  # monotonic time this agent last saw the counter change
+    seq: int  # the newest validly sealed heartbeat sequence number seen (-1: none yet)
+    changed_at: float  # monotonic time this agent last saw the sequence grow
     gen_alive: int  # the generation current when the peer was last seen alive
 
 
@@ -215,11 +401,12 @@ class _Peer:
 class PeerWatch:
     """Decides which other agents are lost, each exactly once.
 
-    A peer is lost when its heartbeat counter has not changed for ``timeout_s`` on this
-    agent's clock. A newly seen peer gets a full timeout of grace. ``gen_alive`` records
-    the generation this agent read (before reading the counters) when the peer last
-    showed life: a node's loss belongs to that generation, not to one a survivor may have
-    declared meanwhile, so detectors that arrive late dedupe instead of adding one.
+    A peer is lost when its sealed heartbeat sequence has not grown for ``timeout_s`` on
+    this agent's clock. A newly seen peer gets a full timeout of grace. ``gen_alive``
+    records the generation this agent read (before reading the heartbeats) when the peer
+    last showed life: a node's loss belongs to that generation, not to one a survivor may
+    have declared meanwhile, so detectors that arrive late dedupe instead of adding one.
+    A value that does not verify, or an old one written back, is no sign of life.
     """
 
     node: int
@@ -228,17 +415,22 @@ class PeerWatch:
     lost: set[int] = field(default_factory=set)
 
     def check(self, store: dist.Store, gen: int) -> list[int]:
-        """Read every peer's counter; return the nodes that became lost just now."""
+        """Read every peer's heartbeat; return the nodes that became lost just now."""
         now = time.monotonic()
-        nodes = [n for n in registered_nodes(store) if n != self.node and n not in self.lost]
+        listed = set(registered_nodes(store)) | set(self.peers)  # a wiped list forgets none
+        nodes = sorted(n for n in listed if n != self.node and n not in self.lost)
         if not nodes:
             return []
-        values = store.multi_get([protocol.agent_heartbeat_key(n) for n in nodes])
+        keys = [protocol.agent_heartbeat_key(n) for n in nodes]
         newly = []
-        for n, value in zip(nodes, values):
+        for n, key, raw in zip(nodes, keys, store.multi_get(keys)):
+            payload = auth.open_value(key, raw)
+            seq = int(payload) if payload is not None else None
             peer = self.peers.get(n)
-            if peer is None or peer.value != value:
-                self.peers[n] = _Peer(value, now, gen)
+            if peer is None:
+                self.peers[n] = _Peer(-1 if seq is None else seq, now, gen)
+            elif seq is not None and seq > peer.seq:
+                peer.seq, peer.changed_at, peer.gen_alive = seq, now, gen
             elif now - peer.changed_at > self.timeout_s:
                 self.lost.add(n)
                 newly.append(n)
@@ -251,3 +443,30 @@ class PeerWatch:
     def silent_for(self, node: int) -> float:
         peer = self.peers.get(node)
         return 0.0 if peer is None else time.monotonic() - peer.changed_at
+
+
+class DoneWatch:
+    """Tells when every rank has finished, from their sealed "done" records.
+
+    Only an agent that runs no workers any more (its ranks are done, or it is a spare
+    node) looks, at most every ``recheck_s``: while one of its own ranks runs, the job
+    cannot be over, and a busy job never pays for the check.
+    """
+
+    def __init__(self, world_size: int, recheck_s: float = 0.1) -> None:
+        self.world_size = world_size
+        self.recheck_s = recheck_s
+        self._next_check = 0.0
+
+    def all_done(self, store: dist.Store, idle: bool) -> bool:
+        now = time.monotonic()
+        if not idle or now < self._next_check:
+            return False
+        self._next_check = now + self.recheck_s
+        return protocol.all_done(store, self.world_size)
+
+    def finished(self, store: dist.Store) -> int:
+        """How many ranks finished (one read when none has)."""
+        if not protocol.any_done(store):
+            return 0
+        return len(protocol.done_ranks(store, self.world_size))

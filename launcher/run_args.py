@@ -9,15 +9,21 @@ everything after it belongs to the script, untouched.
 Parsing ends in one frozen :class:`RunArgs`; every check that can fail before any
 process starts (bad endpoint, unknown backend, missing script) happens here and
 raises :class:`UsageError`, which the command reports as ``checkpointless: error:``
-with exit status 2.
+with exit status 2. :func:`prepare` then adds what depends on this machine: the job
+secret (``launcher.job_secret``) and the bind address (``launcher.bind``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from launcher import bind as bind_mod
+from launcher import job_secret
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -53,6 +59,12 @@ class RunArgs:
     max_restarts: int | None  # None: not given on the command line
     join_timeout_s: float
     monitor_interval_s: float
+    bind: str | None = None  # --bind as given (None: the default rules of launcher.bind)
+    job_secret_file: str | None = None
+    #: Set by :func:`prepare`: the job secret (None: generate or share one locally).
+    job_secret: bytes | None = field(default=None, repr=False, compare=False)
+    #: Set by :func:`prepare`: where this node listens.
+    bind_plan: bind_mod.BindPlan | None = None
 
     @property
     def world_size(self) -> int:
@@ -110,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "recipe", default=None, metavar="FILE", help="YAML recipe")
     _flag(parser, "spares", type=int, default=0, metavar="N",
           help="warm spare processes per node, started with torch imported (default 0)")
+    _flag(parser, "job-secret-file", dest="job_secret_file", default=None, metavar="FILE",
+          help=f"the job secret (not readable by other users); or set {job_secret.ENV_SECRET}. "
+          "Required with several nodes unless all run on this machine")
+    _flag(parser, "bind", default=None, metavar="ADDRESS|all",
+          help="address the job store and gloo listen on (default: loopback for a loopback "
+          "endpoint, else the endpoint's address on node 0 and the route to it elsewhere)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[KEY=VALUE ...] SCRIPT",
                         help="recipe overrides, then the script (or module) and its args")
 
@@ -167,6 +185,11 @@ def _validate(
         host, port = parse_endpoint(ns.rdzv_endpoint)
     else:
         host, port = ns.master_addr, _port("--master-port", ns.master_port)
+    rdzv_id = ns.rdzv_id or ("standalone" if ns.standalone else "none")
+    if len(rdzv_id) > 200 or any(c in rdzv_id for c in "/\\\0") or rdzv_id in (".", ".."):
+        raise UsageError(f"--rdzv-id {rdzv_id[:40]!r}{'...' if len(rdzv_id) > 40 else ''}: "
+                         "use at most 200 characters and no '/', '\\' or NUL (it names the "
+                         "default run directory)")
     if not ns.module and not os.path.isfile(script):
         raise UsageError(f"script {script!r} not found (use -m to run a module)")
     return RunArgs(
@@ -175,7 +198,7 @@ def _validate(
         node_rank=ns.node_rank,
         host=host,
         port=port,
-        rdzv_id=ns.rdzv_id or ("standalone" if ns.standalone else "none"),
+        rdzv_id=rdzv_id,
         standalone=ns.standalone,
         module=ns.module,
         script=script,
@@ -187,7 +210,31 @@ def _validate(
         max_restarts=ns.max_restarts,
         join_timeout_s=parse_join_timeout(ns.rdzv_conf),
         monitor_interval_s=ns.monitor_interval,
+        bind=getattr(ns, "bind", None),
+        job_secret_file=getattr(ns, "job_secret_file", None),
     )
+
+
+def prepare(args: RunArgs, environ: Mapping[str, str] | None = None) -> RunArgs:
+    """``args`` with the job secret and the bind plan resolved (:class:`UsageError` if not).
+
+    Kept apart from parsing because both look at this machine (files, interfaces, DNS).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        secret = job_secret.from_sources(env, args.job_secret_file)
+    except job_secret.SecretError as exc:
+        raise UsageError(str(exc)) from None
+    single = args.nnodes == 1 and args.node_rank == 0
+    if secret is None and not single and not bind_mod.is_local_only(args.host):
+        raise UsageError(job_secret.missing_secret_message(args.nnodes, args.node_rank,
+                                                           args.host))
+    try:
+        plan = bind_mod.choose(args.bind, args.host, args.port, args.hosts_store,
+                               multi_node=not single)
+    except bind_mod.BindError as exc:
+        raise UsageError(str(exc)) from None
+    return dataclasses.replace(args, job_secret=secret, bind_plan=plan)
 
 
 def parse_nnodes(text: str) -> int:

@@ -6,11 +6,16 @@ on ONE JSON line from stdin::
 
     {"env": {...}, "argv": ["train.py", "--lr", "1"], "module": false}
 
-On receipt it applies ``env``, sets ``sys.argv`` and runs the script as ``__main__``
+Meanwhile it imports whatever this job's workers asked spares to warm (``<run_dir>/warm``,
+see :func:`warm_job_modules`). On receipt it applies ``env``, sets ``sys.argv`` and runs
+the script as ``__main__``
 exactly as ``python -u train.py`` would (the script's directory first on
 ``sys.path``), so the replacement skips interpreter start-up and ``import torch``.
 The exit status is the script's: ``SystemExit`` codes are kept and an uncaught
 exception prints its traceback and exits 1, as Python itself does.
+
+``python -m launcher.spare --run [-m] SCRIPT ARGS`` is the bootstrap of a *fresh* worker:
+the same hooks and the same way of running the script, without warm-up or waiting.
 
 A spare prints nothing until assigned. EOF on stdin (the agent went away or is
 shutting the pool down) makes it exit 0 quietly, so spares never outlive their agent.
@@ -28,6 +33,7 @@ import json
 import os
 import runpy
 import sys
+import threading
 import warnings
 
 #: Imported before waiting; failures are ignored (a spare that cannot warm a package
@@ -74,6 +80,67 @@ def _exercise_torch() -> None:
         opt.zero_grad()
 
 
+def install_worker_hooks() -> None:
+    """Import hooks every worker needs before its script runs (fresh or spare).
+
+    Today: ``Trainer(strategy="checkpointless")`` registers itself the moment the script
+    imports Lightning (:mod:`recovery.integrations.autoload`), so scripts need no import.
+    """
+    try:
+        from recovery.integrations import autoload
+
+        autoload.install()
+    except Exception:
+        pass  # the script reports its own errors; a missing hook only loses the shortcut
+
+
+def _importable_name(name: str) -> bool:
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
+
+
+def warm_job_modules(stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Import the modules this job's workers asked spares to warm, until assigned.
+
+    A worker that uses a heavy framework (Lightning) drops one empty file per module
+    under ``<run_dir>/warm/``; a spare imports them in the background, so a replacement
+    does not pay that import on the recovery path, while spares of other jobs never do.
+    """
+    run_dir = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR")
+    if not run_dir:
+        return
+    warm = os.path.join(run_dir, "warm")
+    seen: set[str] = set()
+    while not stop.is_set():
+        try:
+            names = sorted(set(os.listdir(warm)) - seen)
+        except OSError:
+            names = []
+        for name in names:
+            seen.add(name)
+            if stop.is_set() or not _importable_name(name):
+                continue
+            try:
+                importlib.import_module(name)
+            except Exception:
+                continue
+        stop.wait(poll_s)
+
+
+def run_fresh(argv: list[str]) -> None:
+    """``python -m launcher.spare --run [-m] SCRIPT ARGS``: a fresh worker's bootstrap.
+
+    Installs :func:`install_worker_hooks`, then runs the script exactly as a spare runs
+    its assignment (and as ``python -u SCRIPT`` would), so fresh and warm workers start
+    the same way.
+    """
+    module = bool(argv) and argv[0] == "-m"
+    argv = argv[1:] if module else argv
+    if not argv:
+        raise SystemExit("usage: python -m launcher.spare --run [-m] SCRIPT [ARGS...]")
+    install_worker_hooks()
+    run_assigned({"env": {}, "argv": argv, "module": module})
+
+
 def wait_for_assignment() -> dict | None:
     """Block until the agent sends the rank's JSON line; None on EOF."""
     line = sys.stdin.buffer.readline()
@@ -101,11 +168,20 @@ def run_assigned(assignment: dict) -> None:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--run"]:
+        run_fresh(sys.argv[2:])
+        return 0
+    stop = threading.Event()
     try:
+        install_worker_hooks()
         warm_up()
+        threading.Thread(target=warm_job_modules, args=(stop,), daemon=True,
+                         name="spare-warm").start()
         assignment = wait_for_assignment()
     except KeyboardInterrupt:
         return 130
+    finally:
+        stop.set()
     if assignment is None:
         return 0
     detach_stdin()

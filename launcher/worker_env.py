@@ -10,6 +10,11 @@ MASTER_ADDR/MASTER_PORT name the store node 0's agent already hosts, so a worker
 ``init_process_group("env://")`` must connect to it as a client. With ``False`` rank 0
 would try to host a second server on the same port and fail with EADDRINUSE.
 
+The job key (sealing the store records the job trusts, ``replication.signing``) reaches
+workers in ``CHECKPOINTLESS_INTERNAL_JOB_KEY``; the job secret it is derived from
+(``CHECKPOINTLESS_JOB_SECRET``) is removed, so workers never hold it. ``GLOO_SOCKET_IFNAME``
+is set to the interface ``--bind`` chose, unless the user set it.
+
 The environment is built in two layers: :meth:`JobEnv.base` (job-wide, no rank), which
 is also what a warm spare is started with, and :meth:`JobEnv.for_rank`, which a spare
 applies to itself on assignment. Only the rank layer may differ between processes of
@@ -20,9 +25,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from launcher.config import RESERVED_ENV_PREFIX
+from launcher.job_secret import ENV_SECRET
 from recovery import protocol
 
 ROLE_NAME = "default"
@@ -41,6 +47,8 @@ class JobEnv:
     max_restarts: int
     run_dir: str
     config_json: str
+    job_key: str = field(default="", repr=False)  # hex; never printed
+    gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME unless the user set one
 
     @property
     def world_size(self) -> int:
@@ -49,7 +57,10 @@ class JobEnv:
     def base(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The agent's environment plus everything that does not depend on the rank."""
         src = os.environ if environ is None else environ
-        env = {k: v for k, v in src.items() if not k.startswith(RESERVED_ENV_PREFIX)}
+        env = {k: v for k, v in src.items()
+               if not k.startswith(RESERVED_ENV_PREFIX) and k != ENV_SECRET}
+        if self.gloo_ifname:
+            env.setdefault("GLOO_SOCKET_IFNAME", self.gloo_ifname)
         if self.nproc > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not oversubscribe
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -72,6 +83,8 @@ class JobEnv:
                 protocol.ENV_CONFIG: self.config_json,
             }
         )
+        if self.job_key:
+            env[protocol.ENV_JOB_KEY] = self.job_key
         return env
 
     def rank_vars(

@@ -20,13 +20,18 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from launcher import worker_output
+
 SPARE_MODULE = "launcher.spare"
 
 
 def python_command(script: str, args: Iterable[str], module: bool) -> list[str]:
-    """What torchrun runs: ``python -u SCRIPT ...`` or ``python -u -m MODULE ...``."""
-    head = [sys.executable, "-u", "-m", script] if module else [sys.executable, "-u", script]
-    return [*head, *args]
+    """What torchrun runs (``python -u SCRIPT ...`` or ``python -u -m MODULE ...``), through
+    the worker bootstrap ``python -u -m launcher.spare --run``: it installs the import
+    hooks every worker gets (``strategy="checkpointless"`` for Lightning scripts), then
+    runs the script exactly as a warm spare runs its assignment."""
+    head = [sys.executable, "-u", "-m", SPARE_MODULE, "--run", *(["-m"] if module else [])]
+    return [*head, script, *args]
 
 
 def make_heartbeat_file(path: str) -> None:
@@ -99,7 +104,10 @@ def exit_signal(returncode: int) -> str | None:
 
 
 def spawn(cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    worker_output.relay(proc, f"rank{env.get('RANK', '?')}")  # prefixed lines on our console
+    return proc
 
 
 def launch(
@@ -119,6 +127,7 @@ def launch(
     if candidate is not None and spares is not None:
         assigned = SparePool.assign(candidate, rank_vars, [script, *script_args], module)
         if assigned:
+            worker_output.relabel(candidate.pid, f"rank{rank_vars.get('RANK', '?')}")
             return candidate, True
         stop_processes([candidate], grace_s=0.0)
     cmd = python_command(script, script_args, module)
@@ -171,8 +180,10 @@ class SparePool:
         while len(self._idle) < self.size:
             proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", SPARE_MODULE],
-                env=self._env, stdin=subprocess.PIPE,
+                env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
             )
+            worker_output.relay(proc, "spare")
             self._idle.append(proc)
             self._emit("spare_start", pid=proc.pid)
 

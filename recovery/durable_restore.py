@@ -20,7 +20,8 @@ steps, newest first, under the generation's prefix; then, candidate by candidate
 rank reads and verifies its own part and posts ``ok`` or the reason it cannot. The first
 candidate every rank accepts wins; the others are reported as skipped, with the reason
 (a corrupted newest checkpoint thus falls back to the one before it, and says so).
-Nothing live is touched until the vote is unanimous.
+Nothing live is touched until the vote is unanimous. Every record is sealed with the
+job key (:mod:`recovery.auth`): a forged vote or candidate list reads as not yet written.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from recovery import protocol
+from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
 from recovery.rendezvous import GenerationChanged
 from replication.config import PersistenceConfig
@@ -86,7 +87,7 @@ def agree_and_read(
             listing = [c.step for c in reversed(list_checkpoints(url, opts))]
         except (DurableError, OSError) as exc:
             listing = {"error": f"cannot list {url!r}: {exc}"[:600]}
-        store.set(candidates_key(gen), json.dumps(listing))
+        auth.put(store, candidates_key(gen), json.dumps(listing))
     steps = _wait_json(store, candidates_key(gen), gen, current_gen)
     if isinstance(steps, dict):  # the lister's error
         raise RecoveryImpossible(f"durable tier: {steps['error']}")
@@ -102,7 +103,7 @@ def agree_and_read(
             verdict = "ok"
         except (DurableError, OSError, ValueError, KeyError) as exc:
             verdict = f"rank {rank}: {type(exc).__name__}: {str(exc)[:300]}"
-        store.set(vote_key(gen, step, rank), verdict)
+        auth.put(store, vote_key(gen, step, rank), verdict)
         votes = _wait_votes(store, gen, step, world_size, current_gen)
         bad = [v for v in votes if v != "ok"]
         if not bad and snapshot is not None:
@@ -115,11 +116,12 @@ def agree_and_read(
 
 
 def _wait_json(store: dist.Store, key: str, gen: int, current_gen: Callable[[], int]) -> object:
+    """The sealed JSON under ``key`` once written (a forged value reads as not yet)."""
     deadline = time.monotonic() + VOTE_TIMEOUT_S
-    while not store.check([key]):
+    while (value := auth.read(store, key)) is None:
         _check_alive(gen, current_gen, deadline, "rank 0's list of durable checkpoints")
         time.sleep(0.01)
-    return json.loads(store.get(key).decode())
+    return json.loads(value)
 
 
 def _wait_votes(
@@ -127,10 +129,12 @@ def _wait_votes(
 ) -> list[str]:
     keys = [vote_key(gen, step, r) for r in range(world_size)]
     deadline = time.monotonic() + VOTE_TIMEOUT_S
-    while not store.check(keys):
+    while True:
+        votes = auth.read_all(store, keys)
+        if votes is not None and all(v is not None for v in votes):
+            return [str(v) for v in votes]
         _check_alive(gen, current_gen, deadline, f"every rank's verdict on step {step}")
         time.sleep(0.01)
-    return [store.get(k).decode() for k in keys]
 
 
 def _check_alive(gen: int, current_gen: Callable[[], int], deadline: float, what: str) -> None:

@@ -5,27 +5,38 @@ the job's c10d store under ``cl/``. Keeping every key in this one module makes t
 protocol reviewable in one place and keeps both sides from drifting apart.
 
 Generations. The job starts in generation 0. Any participant that detects a failure
-moves the job to the next generation with a compare-and-set from the generation it
-observed, so several detectors of the same failure produce one new generation, while a
-failure *during* a recovery produces another. Every process group, commit counter and
-rendezvous of a generation lives under ``cl/g{G}/``, so nothing from a dead generation
-can be mistaken for a live one.
+moves the job to the next generation by recording the failure's cause under
+``cl/g{G+1}/cause`` with a compare-and-set from the generation it observed, so several
+detectors of the same failure produce one new generation, while a failure *during* a
+recovery produces another. Every process group, commit counter and rendezvous of a
+generation lives under ``cl/g{G}/``, so nothing from a dead generation can be mistaken
+for a live one.
+
+Authentication. The store itself authenticates nobody, so every record a participant
+acts on is sealed with the job key (:mod:`recovery.auth`). The current generation is
+therefore not a counter anyone could bump: it is the length of the chain of validly
+sealed cause records ``cl/g1/cause, cl/g2/cause, ...``. Likewise the fatal flag, group
+owners, join records, heartbeats, agent registrations and the "done" records are sealed,
+and counters only serve as hints that are verified against sealed records.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from recovery import auth
+from replication import signing
+
 PREFIX = "cl"
-GEN_KEY = f"{PREFIX}/gen"
 COMMITTED_KEY = f"{PREFIX}/committed_step"
-RECOVERIES_KEY = f"{PREFIX}/recoveries"
 FATAL_KEY = f"{PREFIX}/fatal"
 DONE_PREFIX = f"{PREFIX}/done"
 
@@ -36,6 +47,7 @@ ENV_RUN_DIR = "CHECKPOINTLESS_INTERNAL_RUN_DIR"  # events.jsonl and logs go here
 ENV_HEARTBEAT = "CHECKPOINTLESS_INTERNAL_HEARTBEAT"  # file whose mtime the agent watches
 ENV_JOB_ID = "CHECKPOINTLESS_INTERNAL_JOB_ID"
 ENV_CONFIG = "CHECKPOINTLESS_CONFIG_JSON"  # the resolved recipe, JSON
+ENV_JOB_KEY = signing.ENV_KEY  # the job key (hex) that seals trusted records; never logged
 
 # Exit codes a worker uses to tell its agent why it stopped.
 EXIT_FATAL = 3  # recovery impossible; the reason is under FATAL_KEY
@@ -66,16 +78,55 @@ def agent_info_key(node: int) -> str:
 
 
 
+# Per store client: the sealed cause records of generations 1..G as verified so far, so
+# a walk resumes where it stopped and a clobbered record can be put back.
+_gen_chains: dict[int, tuple[dist.Store, list[bytes], threading.Lock]] = {}
+_gen_chains_lock = threading.Lock()
+
+
+def _chain(store: dist.Store) -> tuple[list[bytes], threading.Lock]:
+    with _gen_chains_lock:
+        entry = _gen_chains.setdefault(id(store), (store, [], threading.Lock()))
+    return entry[1], entry[2]
+
+
 def current_generation(store: dist.Store) -> int:
-    """The job's current generation (0 before any failure)."""
-    if not store.check([GEN_KEY]):
-        return 0
-    return int(store.get(GEN_KEY).decode())
+    """The job's current generation (0 before any failure): the number of consecutive
+    validly sealed cause records. One ``check`` per call while nothing changes."""
+    chain, lock = _chain(store)
+    with lock:
+        while True:
+            key = cause_key(len(chain) + 1)
+            if not store.check([key]):
+                break
+            raw = bytes(store.get(key))
+            if auth.open_value(key, raw) is None:
+                break  # forged: reported; a legitimate declarer replaces it
+            chain.append(raw)
+        return len(chain)
 
 
-def init_generation(store: dist.Store) -> None:
-    """Create the generation counter at 0 if the job has none yet (idempotent)."""
-    store.compare_set(GEN_KEY, "", "0")
+def reassert_generations(store: dist.Store) -> None:
+    """Put back any verified cause record that was overwritten or deleted since it was read.
+
+    Records of a generation are written once, so restoring the exact sealed bytes is
+    always right; it keeps a process that walks the chain later (a replacement) from
+    stopping at a record a forger clobbered. Agents call this once per heartbeat.
+    """
+    current_generation(store)
+    records, lock = _chain(store)
+    with lock:
+        chain = list(records)
+    if not chain:
+        return
+    keys = [cause_key(g) for g in range(1, len(chain) + 1)]
+    present = store.check(keys)
+    values = store.multi_get(keys) if present else [auth.read_raw(store, k) for k in keys]
+    for key, want, have in zip(keys, chain, values):
+        if have is None or bytes(have) != want:
+            if have is not None:
+                auth.report(key, bytes(have))
+            store.set(key, want)
 
 
 def declare_failure(
@@ -83,41 +134,66 @@ def declare_failure(
 ) -> int:
     """Move the job past ``observed_gen``; returns the generation now current.
 
-    The first declarer for a generation (decided by an atomic counter, since a
-    compare-and-set reply cannot tell "I set it" from "someone set the same value")
-    records the cause and advances the counter; later declarers of the same failure
-    just wait to see the newer generation. One failure seen by many is one generation.
+    The first declarer for a generation wins the compare-and-set of its sealed cause
+    record; later declarers of the same failure find a valid record there and just see
+    the newer generation. One failure seen by many is one generation. A forged value in
+    that slot does not count and is replaced (:func:`recovery.auth.claim`).
     """
     nxt = observed_gen + 1
-    if store.add(f"{gen_prefix(nxt)}/declared", 1) == 1:
-        store.set(cause_key(nxt), json.dumps(cause))
-        store.add(RECOVERIES_KEY, 1)
-    # Every declarer advances the counter (idempotent), so a first declarer that dies
-    # between its claim and the advance cannot leave the job stuck in a dead generation.
-    store.compare_set(GEN_KEY, str(observed_gen), str(nxt))
+    payload = json.dumps(cause)
     deadline = time.monotonic() + timeout_s
-    while (gen := current_generation(store)) <= observed_gen:
+    while True:
+        auth.claim(store, cause_key(nxt), payload)
+        gen = current_generation(store)
+        if gen > observed_gen:
+            return gen
         if time.monotonic() > deadline:
             raise TimeoutError(f"generation did not advance past {observed_gen}")
         time.sleep(0.005)
-    return gen
 
 
 def recoveries(store: dist.Store) -> int:
-    return store.add(RECOVERIES_KEY, 0)
+    """Recoveries so far: each generation after 0 is one."""
+    return current_generation(store)
 
 
 def read_json(store: dist.Store, key: str) -> Any:
-    return json.loads(store.get(key).decode()) if store.check([key]) else None
+    """The JSON payload of a sealed record; None if absent or not validly sealed."""
+    payload = auth.read(store, key)
+    return None if payload is None else json.loads(payload)
 
 
 def set_fatal(store: dist.Store, reason: str, **details: Any) -> None:
-    """Record why the job cannot continue; agents print it and stop."""
-    store.compare_set(FATAL_KEY, "", json.dumps({"reason": reason, **details}))
+    """Record why the job cannot continue; agents print it and stop (first reason wins)."""
+    try:
+        auth.claim(store, FATAL_KEY, json.dumps({"reason": reason, **details}))
+    except auth.StoreTampered as exc:
+        print(f"checkpointless: could not record the fatal reason {reason!r}: {exc}",
+              file=sys.stderr, flush=True)
 
 
 def fatal(store: dist.Store) -> dict[str, Any] | None:
     return read_json(store, FATAL_KEY)
+
+
+# --- Sealed markers (what agents trust about ranks and other agents) --------------------
+#: A sealed constant the store host writes first: a joining agent whose job secret
+#: differs cannot open it and stops before writing anything.
+KEYCHECK_KEY = f"{PREFIX}/keycheck"
+_KEYCHECK_TEXT = "checkpointless job key check"
+
+
+def publish_keycheck(store: dist.Store) -> None:
+    auth.put(store, KEYCHECK_KEY, _KEYCHECK_TEXT)
+
+
+def keycheck(store: dist.Store) -> bool | None:
+    """True if this process's job key opens the store host's check record, False if
+    not, None if there is no record (yet)."""
+    raw = auth.read_raw(store, KEYCHECK_KEY)
+    if raw is None:
+        return None
+    return signing.process_signer().open(KEYCHECK_KEY, raw) == _KEYCHECK_TEXT.encode()
 
 
 @dataclass(frozen=True)
@@ -187,10 +263,13 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 #: "1" in a process started to replace a lost rank (a fresh process or a warm spare).
 ENV_REPLACEMENT = "CHECKPOINTLESS_INTERNAL_REPLACEMENT"
-#: Every agent that ever joined the job, as "0,1,2," (appended at registration).
+#: Every agent that ever joined the job: sealed node ids between commas, appended at
+#: registration (``launcher.rendezvous.register``).
 AGENTS_KEY = f"{PREFIX}/agents"
-#: Counter of ranks that finished with exit status 0; the job is done at WORLD_SIZE.
-DONE_COUNT_KEY = f"{DONE_PREFIX}/count"
+#: Set (sealed) with the first "done" record: a cheap "has any rank finished?". There is
+#: no counter of finished ranks: anyone can overwrite a counter with text, and the next
+#: ``add`` to it then fails, so the sealed per-rank records are the only truth.
+DONE_ANY_KEY = f"{DONE_PREFIX}/any"
 
 
 def trained_key(rank: int) -> str:
@@ -218,5 +297,46 @@ def agent_finished_key(node: int) -> str:
     return f"{PREFIX}/agent/{node}/finished"
 
 
-def done_count(store: dist.Store) -> int:
-    return store.add(DONE_COUNT_KEY, 0)
+def mark_trained(store: dist.Store, rank: int, step: int) -> None:
+    auth.put(store, trained_key(rank), str(step))
+
+
+def is_trained(store: dist.Store, rank: int) -> bool:
+    """Has ``rank`` (validly) recorded that its last step is committed?"""
+    return auth.read(store, trained_key(rank)) is not None
+
+
+def record_done(store: dist.Store, rank: int) -> None:
+    """Record (sealed) that ``rank`` finished with status 0."""
+    key = done_key(rank)
+    if auth.read(store, key) is None:
+        auth.put(store, key, "1")
+    if auth.read(store, DONE_ANY_KEY) is None:
+        auth.put(store, DONE_ANY_KEY, "1")
+
+
+def any_done(store: dist.Store) -> bool:
+    return auth.read(store, DONE_ANY_KEY) is not None
+
+
+def all_done(store: dist.Store, world_size: int) -> bool:
+    """Has every rank a validly sealed "done" record? (Two round trips at most.)"""
+    values = auth.read_all(store, [done_key(r) for r in range(world_size)])
+    return values is not None and all(v is not None for v in values)
+
+
+def done_ranks(store: dist.Store, world_size: int) -> set[int]:
+    """The ranks with a validly sealed "done" record."""
+    keys = [done_key(r) for r in range(world_size)]
+    values = auth.read_all(store, keys)
+    if values is None:
+        values = [auth.read(store, k) for k in keys]
+    return {r for r, v in enumerate(values) if v is not None}
+
+
+def mark_agent_finished(store: dist.Store, node: int) -> None:
+    auth.put(store, agent_finished_key(node), "1")
+
+
+def agent_finished(store: dist.Store, node: int) -> bool:
+    return auth.read(store, agent_finished_key(node)) is not None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from recovery import auth
 from recovery.errors import RecoveryImpossible
 from recovery.protocol import JoinRecord, join_key
 
@@ -46,22 +47,49 @@ def join(
     timeout_s: float,
     current_gen: Callable[[], int],
 ) -> dict[int, JoinRecord]:
-    """Publish ``record`` for ``gen`` and wait until every rank has joined."""
-    store.set(join_key(gen, record.rank), record.to_json())
+    """Publish ``record`` (sealed) for ``gen`` and wait until every rank has joined.
+
+    Only validly sealed records count (:mod:`recovery.auth`): a forged one reads as "not
+    joined yet", a rank whose own record was overwritten or deleted writes it again, and
+    a record once verified is kept, so clobbering it afterwards changes nothing.
+    """
+    own = join_key(gen, record.rank)
+    sealed = auth.put(store, own, record.to_json())
     keys = [join_key(gen, r) for r in range(world_size)]
+    seen: dict[int, JoinRecord] = {record.rank: record}
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
+    while True:
+        if store.check(keys):
+            for r, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
+                if r == record.rank:
+                    if bytes(raw) != sealed and auth.open_value(key, raw) is None:
+                        store.set(own, sealed)  # a forger overwrote it: put it back
+                elif r not in seen and (payload := auth.open_value(key, raw)) is not None:
+                    seen[r] = JoinRecord.from_json(payload)
+            if len(seen) == world_size:
+                return dict(sorted(seen.items()))
+        elif not store.check([own]):
+            store.set(own, sealed)  # deleted by someone: put it back
         if current_gen() != gen:
             raise GenerationChanged(f"generation {gen} superseded by {current_gen()}")
         if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = [r for r in range(world_size) if r not in seen
+                       and not _joined(store, keys[r], seen, r)]
+            if not missing:
+                return dict(sorted(seen.items()))
             raise RecoveryImpossible(
                 f"generation {gen}: ranks {missing} did not rejoin within {timeout_s:.0f}s "
                 "(no replacement process started for them: is a spare node or spare worker "
                 "available?)"
             )
         time.sleep(0.005)
-    return {r: JoinRecord.from_json(store.get(k)) for r, k in enumerate(keys)}
+
+
+def _joined(store: dist.Store, key: str, seen: dict[int, JoinRecord], rank: int) -> bool:
+    payload = auth.read(store, key)
+    if payload is not None:
+        seen[rank] = JoinRecord.from_json(payload)
+    return payload is not None
 
 
 def make_plan(gen: int, target_step: int, records: dict[int, JoinRecord]) -> RecoveryPlan:

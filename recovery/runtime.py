@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recovery import process_groups, protocol
+from recovery import auth, process_groups, protocol
 from recovery.durable_restore import agree_and_read
 from recovery.env import WorkerEnv
 from recovery.errors import FailureDetected, InjectedFault, RecoveryImpossible
@@ -39,7 +39,7 @@ from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
 from recovery.settings import RuntimeSettings
 from recovery.transfer import receive_state, send_state
 from recovery.watchdog import Watchdog
-from replication.commit import committed_step
+from replication.commit import UntrustedCommit, committed_step
 from replication.replicator import Replicator
 from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
@@ -61,7 +61,12 @@ class Checkpointless:
         settings: RuntimeSettings | None = None,
         backend: str = "gloo",
         env: WorkerEnv | None = None,
+        state: TrainingState | None = None,
+        start: bool = True,
     ) -> None:
+        """``state`` replaces the default registry (integrations that restore through their
+        own framework register stand-ins); ``start=False`` defers joining the job to
+        :meth:`start`, for callers whose training state does not exist yet."""
         self.env = env or WorkerEnv.from_environ()
         self.settings = settings or (
             RuntimeSettings.from_json(self.env.config_json)
@@ -69,13 +74,15 @@ class Checkpointless:
         )
         self.backend = backend
         self.rank, self.world_size = self.env.rank, self.env.world_size
-        self.state = TrainingState()
+        self.state = state if state is not None else TrainingState()
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), ("loader", loader), *(extra or {}).items()):
             if obj is not None:
                 self.state.register(name, obj)
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
+        # Store values that fail the job-key check are ignored and reported here.
+        auth.set_reporter(lambda **f: self.log.emit("auth_rejected", rank=self.rank, **f))
         self.store = self._connect_store()
         rec = self.settings.recovery
         fault_text = rec.fault or os.environ.get("CHECKPOINTLESS_RECOVERY_FAULT", "")
@@ -100,17 +107,36 @@ class Checkpointless:
         process_groups.install_exit_guard()
         # Stop it before interpreter teardown destroys the store it polls under it.
         atexit.register(self.watchdog.stop)
+        self.start_step = 1
+        self.restored_step: int | None = None  # set by start(): recovered or resumed step
+        if start:
+            self.start()
+
+    def start(self, initial_snapshot: bool = True) -> int:
+        """Join the job: a replacement (or a process of a later generation) recovers its
+        state from a peer; a fresh one builds generation 0 and resumes from the durable
+        tier or commits its initial state. Returns the first step to run.
+
+        ``initial_snapshot=False`` leaves the initial commit to :meth:`commit_initial`,
+        for frameworks that build their state after the process group exists.
+        """
         if self.env.replacement or self.gen > 0:
-            self.start_step = self._recover({"kind": "replacement"}, newcomer=True) + 1
+            self.restored_step = self._recover({"kind": "replacement"}, newcomer=True)
         else:
             self._setup_generation(0)
-            resumed = self._maybe_resume()
-            if resumed is None:
-                self.replicator.snapshot(0)  # the initial state is step 0, committed first
-                self.replicator.wait()
-            self.start_step = (resumed or 0) + 1
+            self.restored_step = self._maybe_resume()
+            if self.restored_step is None and initial_snapshot:
+                self.commit_initial(0)  # the initial state is step 0, committed first
+        self.start_step = (self.restored_step or 0) + 1
         self.log.emit("worker_ready", rank=self.rank, gen=self.gen, start_step=self.start_step,
                       replacement=self.env.replacement)
+        return self.start_step
+
+    def commit_initial(self, step: int) -> None:
+        """Snapshot the state as ``step`` and wait until every copy holds it."""
+        assert self.replicator is not None, "start() first"
+        self.replicator.snapshot(step)
+        self.replicator.wait()
 
     # -- public API --------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any], num_steps: int) -> None:
@@ -155,7 +181,41 @@ class Checkpointless:
 
     @property
     def committed_step(self) -> int:
-        return committed_step(self.store, protocol.COMMITTED_KEY)
+        try:
+            return committed_step(self.store, protocol.COMMITTED_KEY)
+        except UntrustedCommit as exc:  # every rank reads the same forged value
+            raise RecoveryImpossible(f"cannot agree on a recovery target: {exc}") from None
+
+    # -- the step API, for loops the runtime does not own (Lightning, NeMo) -------------
+    def begin_step(self, step: int) -> None:
+        """Start ``step``: raises :class:`FailureDetected` if a failure was declared."""
+        self._before_step(step)
+
+    def end_step(self, step: int, *, snapshot: bool | None = None) -> None:
+        """``step`` is done: snapshot it (every ``replication.every_n_steps`` steps by
+        default; always with ``snapshot=True``, never with ``False``), hand committed
+        snapshots to the durable tier, log."""
+        self._after_step(step, snapshot=snapshot)
+
+    def recover(self, exc: BaseException) -> int:
+        """Recover in-process from ``exc`` (any failure of a step, local or remote).
+
+        Returns the restored step (the newest committed one); the registered state
+        holds it. Re-raises ``exc`` when recovery is impossible or disabled.
+        """
+        if isinstance(exc, RecoveryImpossible) or not isinstance(exc, Exception):
+            raise exc
+        if not self.settings.recovery.enabled:
+            raise exc
+        return self._recover(self._cause_of(exc))
+
+    def finish(self, *, destroy_group: bool = True) -> None:
+        """Training is over: wait for the last commit, persist it, tell the agent.
+
+        ``destroy_group=False`` keeps the training process group for work the script
+        still does after training (evaluation through a framework).
+        """
+        self._finish(destroy_group=destroy_group)
 
     # -- the step boundary -------------------------------------------------------------
     def _before_step(self, step: int) -> None:
@@ -164,13 +224,14 @@ class Checkpointless:
             raise FailureDetected("a failure was declared by another participant")
         self.faults.at("step")
 
-    def _after_step(self, step: int) -> None:
+    def _after_step(self, step: int, snapshot: bool | None = None) -> None:
         assert self.replicator is not None
-        if self._persist_ticket is not None:
-            # The next capture may reuse the buffer the durable writer is staging from.
-            self._persist_ticket.wait_released(self.settings.replication.timeout_s)
-            self._persist_ticket = None
-        stall = self.replicator.maybe_snapshot(step)
+        # A slot the durable writer still reads is held (see _persist_committed): the
+        # capture below takes another slot, or waits only if it must reuse that one.
+        if snapshot is None:
+            stall = self.replicator.maybe_snapshot(step)
+        else:
+            stall = self.replicator.snapshot(step) if snapshot else None
         if self.durable is not None:
             self._persist_committed()
         if stall is not None:
@@ -201,7 +262,10 @@ class Checkpointless:
             return None
         from replication.durable import DurableWriter
 
-        return DurableWriter(p, self.rank, self.world_size, run_id=self.env.job_id)
+        # zero_copy: the helper process persists straight from the snapshot slot (the
+        # engine then keeps three slots in shared memory): no copy in this process.
+        return DurableWriter(p, self.rank, self.world_size, run_id=self.env.job_id,
+                             zero_copy=True)
 
     def _persist_committed(self) -> None:
         """Hand the newest committed snapshot to the durable writer (never waits on I/O).
@@ -217,10 +281,21 @@ class Checkpointless:
             return
         if not self.durable.should_persist(last.step):
             return
-        slot = self.replicator.engine.slot_for(last.step)
+        engine = self.replicator.engine
+        slot = engine.slot_for(last.step)
         assert slot.buffer is not None
-        self._persist_ticket = self.durable.submit(slot.meta(), slot.buffer)
+        ticket = self._persist_ticket = self.durable.submit(slot.meta(), slot.buffer)
         self._persisted_step = last.step
+        durable, patience = self.durable, self.settings.replication.timeout_s
+
+        def wait() -> None:  # a capture needs this very slot back
+            if not ticket.wait_released(patience):
+                durable.cancel(ticket)  # the previous checkpoint stays valid
+                ticket.wait_released()
+
+        # The slot must not be captured into until the writer is done reading it.
+        engine.hold(slot, wait)
+        ticket.released.add_done_callback(lambda _f: engine.unhold(slot, wait))
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.
@@ -234,7 +309,7 @@ class Checkpointless:
             if callable(mark):
                 mark()
 
-    def _finish(self) -> None:
+    def _finish(self, destroy_group: bool = True) -> None:
         assert self.replicator is not None
         self.replicator.wait()
         if self.durable is not None:
@@ -243,12 +318,12 @@ class Checkpointless:
             self.durable.flush(self.settings.replication.timeout_s)
             self._persist_committed()
             self.durable.close()
-        self.store.set(protocol.trained_key(self.rank), str(self.step))
+        protocol.mark_trained(self.store, self.rank, self.step)
         self.log.emit("worker_done", step=self.step, gen=self.gen)
         # The watchdog keeps beating until the process exits: the script may still have
         # work to do after training (saving, evaluation), and a silent rank looks hung.
         self.replicator.close()
-        if dist.is_initialized():
+        if destroy_group and dist.is_initialized():
             dist.destroy_process_group()
 
     # -- generations -------------------------------------------------------------------
@@ -274,6 +349,7 @@ class Checkpointless:
             engine=old.engine if old else None, replicas=old.replicas if old else None,
             fault_hook=self.faults.at if self.faults else None,
             durable_staging=bool(self.durable is not None and self.durable.staging),
+            durable_zero_copy=bool(self.durable is not None and self.durable.zero_copy),
         )
         self.replicator.should_abort = lambda: self.watchdog.failure_pending
         self.gen = self.watchdog.generation = gen

@@ -15,6 +15,8 @@ import time
 
 import torch.distributed as dist
 
+from replication import signing
+
 COMMITTED_KEY = "checkpointless/committed_step"
 
 
@@ -22,11 +24,30 @@ class CommitTimeout(RuntimeError):
     """Not every rank acknowledged a step in time (a peer is slow or dead)."""
 
 
+class UntrustedCommit(RuntimeError):
+    """The committed-step record does not carry a valid seal (see ``replication.signing``)."""
+
+
 def committed_step(store: dist.Store, key: str = COMMITTED_KEY) -> int:
-    """The newest committed step recorded in ``store``, or -1 if none is."""
+    """The newest committed step recorded in ``store``, or -1 if none is.
+
+    The record is sealed with the job key: a recovery targets this step, so a value
+    written by a process without the job secret is refused (:class:`UntrustedCommit`)
+    rather than trusted. The acknowledgement counters are not sealed; the worst a forger
+    can do with them is stall a round or let one finish early, and recovery checks every
+    copy it uses against sealed join records and checksums, so that costs availability,
+    never correctness (``docs/security.md``).
+    """
     if not store.check([key]):
         return -1
-    return int(store.get(key).decode())
+    raw = store.get(key)
+    payload = signing.open_sealed(key, raw)
+    if payload is None:
+        raise UntrustedCommit(
+            f"the committed-step record {key!r} is not sealed with the job's key "
+            f"(value {bytes(raw)[:40]!r}): a process without the job secret wrote it"
+        )
+    return int(payload.decode())
 
 
 class CommitLedger:
@@ -51,7 +72,7 @@ class CommitLedger:
         """Acknowledge ``step``; returns True if this call completed the commit."""
         count = self.store.add(f"{self.ack_prefix}/{step}", 1)
         if count == self.world_size:
-            self.store.set(self.committed_key, str(step))
+            self.store.set(self.committed_key, signing.seal(self.committed_key, str(step)))
             self.store.set(f"{self.ack_prefix}/{step}/done", b"1")
             return True
         return False

@@ -34,10 +34,13 @@ class MemoryPlan:
     factor: int
     staging_bytes: int  # transfer staging (GPU snapshots)
     durable_staging_bytes: int = 0  # the durable writer's copy of a snapshot being written
+    # Local snapshot slots: 2 (double buffering), 3 when the durable writer persists
+    # straight from a slot (it holds one while the other two keep alternating).
+    local_slots: int = 2
 
     @property
     def own_bytes(self) -> int:
-        return 2 * self.state_bytes  # double-buffered local snapshot
+        return self.local_slots * self.state_bytes
 
     @property
     def replica_bytes(self) -> int:
@@ -96,7 +99,7 @@ def check_budget(
         )
         raise MemoryBudgetError(
             "checkpointless cannot hold this rank's recovery state in host memory: needs "
-            f"{_fmt(plan.total_bytes)} = 2 x {_fmt(plan.state_bytes)} snapshot "
+            f"{_fmt(plan.total_bytes)} = {plan.local_slots} x {_fmt(plan.state_bytes)} snapshot "
             f"+ 2 x {plan.factor - 1} x {_fmt(plan.state_bytes)} replicas "
             f"+ {_fmt(plan.staging_bytes)} staging"
             f"{durable}, but the budget is {_fmt(budget)} "

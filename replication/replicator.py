@@ -134,11 +134,15 @@ class Replicator:
         replicas: ReplicaStore | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
         durable_staging: bool = False,
+        durable_zero_copy: bool = False,
     ) -> None:
         """``engine``/``replicas`` carry snapshots over from a previous generation's
         replicator; ``fault_hook(phase, step)`` is called at the ``snapshot`` and
         ``replication`` phases so tests can inject failures there. ``durable_staging``:
-        a durable writer keeps a staging copy of one snapshot, counted in the budget."""
+        a durable writer keeps a staging copy of one snapshot, counted in the budget.
+        ``durable_zero_copy``: a durable writer persists straight from the snapshot
+        slots, so a new engine allocates three of them in shared memory (one may be held
+        by the writer while the other two alternate), and no staging copy is counted."""
         self.config = config or ReplicationConfig()
         self.memory = memory or MemoryConfig()
         self.state = state
@@ -146,18 +150,19 @@ class Replicator:
         pin = self.config.device == "cpu" and torch.cuda.is_available()
         # Measured once, before our buffers exist, so re-checks do not count them twice.
         # Buffers carried over from a previous generation already reduced free RAM.
-        held = (engine.state_bytes * 2 if engine else 0) + (replicas.nbytes() if replicas else 0)
+        held = (engine.allocated_bytes if engine else 0) + (replicas.nbytes() if replicas else 0)
         self._budget = host_budget_bytes(self.memory, local_world_size) + (
             held if self.memory.host_budget_bytes == 0 else 0
         )
         self.engine = engine or SnapshotEngine(
             state, pin_memory=pin, on_allocate=self._check_layout_budget,
-            checksum=self.config.checksum,
+            checksum=self.config.checksum, shared_memory=durable_zero_copy,
+            num_slots=3 if durable_zero_copy else 2,
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)
         self._fault_hook = fault_hook
-        self._durable_staging = durable_staging
+        self._durable_staging = durable_staging and not durable_zero_copy
         self.should_abort: Callable[[], bool] | None = None
         self.channel = SideChannel(
             store, rank, world_size, prefix=f"{prefix}/side",
@@ -192,7 +197,8 @@ class Replicator:
     def plan(self, state_bytes: int) -> MemoryPlan:
         staging = 2 * self.config.chunk_bytes if self.config.device == "cuda" else 0
         durable = state_bytes if self._durable_staging else 0
-        return MemoryPlan(state_bytes, self.config.factor, staging, durable)
+        return MemoryPlan(state_bytes, self.config.factor, staging, durable,
+                          local_slots=len(self.engine.slots))
 
     def check_budget(self) -> MemoryPlan:
         """Check the budget against the state's size now plus lazily created optimizer state."""

@@ -9,12 +9,22 @@ On GPU hosts the copy is issued on a side CUDA stream into pinned host memory an
 loop only waits for it before the next in-place update of the weights
 (:meth:`SnapshotEngine.before_mutation`). That path is behind ``device``/``pin_memory``
 switches and is untested on this CPU-only machine.
+
+When the durable tier persists snapshots (``shared_memory=True``), the slots live in
+shared memory (a memfd), so the durable writer's helper process reads a snapshot straight
+from its slot (:func:`shared_location`) and the training process copies nothing; a
+slot being read that way is *held* (:meth:`SnapshotEngine.hold`) and never overwritten
+until its reader is done.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +40,8 @@ from replication.layout import (
     unflatten_segment,
 )
 from replication.state import TrainingState
+
+log = logging.getLogger("checkpointless.replication")
 
 
 class SnapshotError(RuntimeError):
@@ -103,6 +115,8 @@ class SnapshotSlot:
     skeletons: dict[str, bytes] = field(default_factory=dict)
     digests: dict[str, str] | None = None
     copy_done: Any = None  # a torch.cuda.Event while an async device copy is in flight
+    # wait() of a reader outside the engine that still needs the bytes (SnapshotEngine.hold)
+    hold: Callable[[], None] | None = None
 
     @property
     def empty(self) -> bool:
@@ -123,6 +137,100 @@ def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
     """A byte buffer on the host, page-locked when a GPU will copy into it."""
     # Zeroed once, so alignment padding is deterministic and equal states hash equal.
     return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+@dataclass(frozen=True)
+class SharedLocation:
+    """Where a buffer from :func:`allocate_shared` lives, for another process to map it."""
+
+    fd: int  # a memfd holding the whole buffer: pass it over a Unix socket (SCM_RIGHTS)
+    offset: int  # byte offset of the tensor's first element in that file
+    key: str  # identifies the memory while it is alive (its inode), for caches elsewhere
+
+
+_shared_lock = threading.Lock()
+_shared: dict[int, tuple[int, int, str]] = {}  # base address -> (fd, bytes, key)
+
+
+def allocate_shared(nbytes: int, *, pin: bool = False) -> torch.Tensor | None:
+    """A zeroed host byte buffer another process can map, or ``None`` where impossible.
+
+    The durable writer's helper process maps the same pages (:func:`shared_location`)
+    and persists a snapshot straight from them, so the training process copies
+    nothing. The memory is an anonymous ``memfd``, not a named /dev/shm segment: it is
+    handed over as a file descriptor, so it can never be leaked by a process killed
+    with its whole process group (a name would outlive it), and a small /dev/shm (64 MB
+    in a default container) does not limit it. Its pages are reserved up front
+    (``posix_fallocate``), so a host out of memory fails here rather than with SIGBUS
+    at the first touch. The memory is freed once the returned tensor (keep it
+    referenced: slices alone do not keep the descriptor open) and every mapping of it
+    are gone. ``pin`` page-locks it for CUDA copies (``cudaHostRegister``; untested).
+    """
+    if nbytes <= 0 or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        fd = os.memfd_create("checkpointless-snapshot", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, nbytes)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes,
+                              dtype=torch.uint8)
+        key = f"memfd:{os.fstat(fd).st_dev}:{os.fstat(fd).st_ino}"
+    except (OSError, RuntimeError):
+        os.close(fd)
+        return None
+    pinned = False
+    if pin:
+        try:
+            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            pinned = True
+        except Exception as exc:  # pragma: no cover - GPU hosts only
+            log.warning("could not page-lock a %d MB shared snapshot buffer (%r); device "
+                        "copies into it will be synchronous", nbytes >> 20, exc)
+    with _shared_lock:
+        _shared[buf.data_ptr()] = (fd, nbytes, key)
+    weakref.finalize(buf, _free_shared, fd, buf.data_ptr(), pinned)
+    return buf
+
+
+def _free_shared(fd: int, addr: int, pinned: bool) -> None:
+    with _shared_lock:
+        _shared.pop(addr, None)
+    if pinned:  # pragma: no cover - GPU hosts only
+        try:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        except Exception:
+            pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def shared_location(buffer: torch.Tensor) -> SharedLocation | None:
+    """Where a buffer from :func:`allocate_shared` (or a slice of one) lives; ``None``
+    for any other buffer."""
+    if buffer.device.type != "cpu":
+        return None
+    base = buffer.untyped_storage().data_ptr()
+    with _shared_lock:
+        entry = _shared.get(base)
+    if entry is None:
+        return None
+    fd, size, key = entry
+    offset = buffer.data_ptr() - base
+    if offset < 0 or offset + buffer.numel() * buffer.element_size() > size:
+        return None
+    return SharedLocation(fd, offset, key)
+
+
+def shared_keys() -> list[str]:
+    """Keys of this process's shared buffers that are still alive."""
+    with _shared_lock:
+        return [key for _, _, key in _shared.values()]
 
 
 HASH_CHUNK = 1 << 20  # bytes hashed while still in cache after their copy
@@ -255,9 +363,16 @@ class SnapshotEngine:
         pin_memory: bool | None = None,
         on_allocate: Any = None,
         checksum: str = "background",
+        shared_memory: bool = False,
+        num_slots: int = 2,
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
         caller can check the memory budget with the real snapshot size.
+
+        ``shared_memory=True`` allocates the slots in shared memory (falling back to
+        ordinary memory, with a warning, where that is impossible), for a durable
+        writer that persists straight from them; ``num_slots=3`` then keeps double
+        buffering going while one slot is held by such a writer.
 
         ``checksum="inline"`` hashes host state during the copy (least total CPU work:
         the bytes are hashed from cache); ``"background"`` leaves hashing to
@@ -266,10 +381,13 @@ class SnapshotEngine:
         if checksum not in ("inline", "background"):
             raise ValueError(f"replication.checksum must be inline or background, got {checksum!r}")
         self.checksum = checksum
+        if num_slots < 2:
+            raise ValueError(f"a snapshot engine needs at least 2 slots, got num_slots={num_slots}")
         self.state = state
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.shared_memory = shared_memory
         self._on_allocate = on_allocate
-        self.slots = [SnapshotSlot(0), SnapshotSlot(1)]
+        self.slots = [SnapshotSlot(i) for i in range(num_slots)]
         self._lock = threading.Lock()
         self._protected_step = -1  # the committed step; its slot is never overwritten
         self._stream = None
@@ -288,17 +406,50 @@ class SnapshotEngine:
         return slot
 
     def _free_slot(self) -> SnapshotSlot:
+        """The oldest slot that is neither committed nor held by a reader; if every
+        uncommitted slot is held, wait for the oldest one's reader (see :meth:`hold`)."""
+        while True:
+            with self._lock:
+                free = [s for s in sorted(self.slots, key=lambda s: s.step)
+                        if s.step != self._protected_step or s.empty]
+                if not free:  # pragma: no cover - at least two slots, one kept
+                    raise SnapshotError("no free snapshot slot")
+                for slot in free:
+                    if slot.hold is None:
+                        return slot
+                slot, wait = free[0], free[0].hold
+            assert wait is not None
+            wait()  # returns once the reader is done with the slot
+            self.unhold(slot, wait)
+
+    def hold(self, slot: SnapshotSlot, wait: Callable[[], None]) -> None:
+        """Keep :meth:`capture` from overwriting ``slot`` until :meth:`unhold`.
+
+        For a reader outside the engine that needs the slot's bytes as they are (a
+        durable writer persisting straight from the slot). Captures take another free
+        slot while there is one; a capture that finds only held slots calls ``wait()``,
+        which must return only once the reader is done with the slot (cancelling it
+        if it takes too long), and then writes into it.
+        """
         with self._lock:
-            for slot in sorted(self.slots, key=lambda s: s.step):
-                if slot.step != self._protected_step or slot.empty:
-                    return slot
-        raise SnapshotError("no free snapshot slot")  # pragma: no cover - two slots, one kept
+            slot.hold = wait
+
+    def unhold(self, slot: SnapshotSlot, wait: Callable[[], None] | None = None) -> None:
+        """End :meth:`hold` (only the hold placed with ``wait``, when given)."""
+        with self._lock:
+            if wait is None or slot.hold is wait:
+                slot.hold = None
 
     def _allocate(self, slot: SnapshotSlot, flat: FlatState) -> None:
         if self._on_allocate is not None:
             self._on_allocate(flat.layout)
-        slot.buffer = None  # drop the old buffer before allocating the new one
-        slot.buffer = allocate_host(flat.nbytes, pin=self.pin_memory)
+        slot.buffer, slot.views = None, []  # drop the old buffer before allocating the new one
+        buf = allocate_shared(flat.nbytes, pin=self.pin_memory) if self.shared_memory else None
+        if buf is None and self.shared_memory and flat.nbytes > 0:
+            log.warning("cannot allocate a %d MB snapshot buffer in shared memory: using "
+                        "private memory, so the durable writer cannot read snapshots in place",
+                        flat.nbytes >> 20)
+        slot.buffer = buf if buf is not None else allocate_host(flat.nbytes, pin=self.pin_memory)
         slot.layout = flat.layout
         slot.views = tensor_views(slot.buffer, flat.layout)
 
@@ -374,3 +525,8 @@ class SnapshotEngine:
     @property
     def state_bytes(self) -> int:
         return max((s.layout.nbytes for s in self.slots if s.layout is not None), default=0)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes held by the slots' buffers."""
+        return sum(s.buffer.numel() for s in self.slots if s.buffer is not None)

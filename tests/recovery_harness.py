@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,7 @@ def run_job(
     script: str = SCRIPT,
     script_args: tuple[str, ...] = TRAIN_ARGS,
     timeout_s: float = 90.0,
+    during: Callable[[Path], None] | None = None,
 ) -> JobResult:
     """Run one job to completion (or ``timeout_s``), then kill whatever is left.
 
@@ -156,6 +158,8 @@ def run_job(
     node rank ``0 .. nnodes + spare_nodes - 1`` shares a fresh rendezvous endpoint
     (node 0 hosts the store, node ranks >= nnodes are spare nodes). The job's result is
     the exit codes of the agents that were not killed by the job itself.
+    ``during(run_dir)``, if given, runs once every agent has started (e.g. to kill a
+    worker when some condition holds); an exception from it stops the job.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,6 +177,8 @@ def run_job(
                                 overrides=overrides, script=str(script),
                                 script_args=script_args)
             agents[node] = start_agent(cmd, node, run_dir / "logs")
+        if during is not None:
+            during(run_dir)
         deadline = t0 + timeout_s
         for agent in agents.values():
             try:

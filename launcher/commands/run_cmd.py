@@ -17,7 +17,7 @@ from typing import NoReturn
 from launcher.config import CheckpointlessConfig, load_config, read_recipe
 from launcher.config.fields import fields_by_path
 from launcher.config.schema import BLOCK_KEY
-from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace
+from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace, prepare
 
 PROG = "checkpointless"
 EXIT_USAGE = 2
@@ -29,17 +29,18 @@ a failed or hung worker is replaced (by a warm spare when one is idle) while the
 other workers keep running, and the ranks of a lost node are taken over by a spare
 node (an agent started with --node-rank >= --nnodes).
 
-Run one agent per node with the same --nnodes, --nproc-per-node, --rdzv-endpoint and
---rdzv-id; node rank 0 hosts the job's store."""
+Run one agent per node with the same --nnodes, --nproc-per-node, --rdzv-endpoint,
+--rdzv-id and job secret (CHECKPOINTLESS_JOB_SECRET or --job-secret-file); node rank 0
+hosts the job's store."""
 
 EPILOG = """\
 examples:
   checkpointless run --standalone --nproc-per-node 4 train.py --lr 0.1
   checkpointless run --nproc-per-node 2 replication.factor=2 train.py
   checkpointless run --nnodes 2 --node-rank 0 --rdzv-endpoint head:29400 \\
-      --rdzv-id job1 --recipe recipe.yaml train.py
+      --rdzv-id job1 --job-secret-file job.secret --recipe recipe.yaml train.py
   checkpointless run --nnodes 2 --node-rank 2 --rdzv-endpoint head:29400 \\
-      --rdzv-id job1 --recipe recipe.yaml train.py      # a spare node
+      --rdzv-id job1 --job-secret-file job.secret --recipe recipe.yaml train.py  # spare
 
 KEY=VALUE arguments before SCRIPT override the recipe (see 'checkpointless config
 show --help' for every key). Workers get torchrun's environment (RANK, LOCAL_RANK,
@@ -72,14 +73,18 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 
 def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     try:
-        args = from_namespace(parser, ns)
+        args = prepare(from_namespace(parser, ns))  # + the job secret and bind address
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as exc:  # a flag after an override was bad; already reported
         return int(exc.code or 0)
     cfg = resolve_config(args)  # a ConfigError is reported by the CLI (exit 2)
-    run_dir = resolve_run_dir(args, cfg)
+    try:
+        run_dir = resolve_run_dir(args, cfg)
+    except (OSError, ValueError) as exc:  # not creatable: a file there, too long, no access
+        print(f"{PROG}: error: cannot create the run directory: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
     from launcher.agent import Agent  # torch comes in here
 

@@ -19,8 +19,10 @@ from launcher.config.schema import BLOCK_KEY
 ENV_PREFIX = "CHECKPOINTLESS_"
 
 #: Variables the runtime sets for its own processes; the config loader never reads them.
+#: (``CHECKPOINTLESS_JOB_SECRET`` is the job secret: never config, never echoed.)
 RESERVED_ENV = frozenset(
-    {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES", "CHECKPOINTLESS_CONFIG_JSON"}
+    {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES", "CHECKPOINTLESS_CONFIG_JSON",
+     "CHECKPOINTLESS_JOB_SECRET"}
 )
 #: Any variable with this prefix is also the runtime's own (rank hand-off, generations...).
 RESERVED_ENV_PREFIX = "CHECKPOINTLESS_INTERNAL_"

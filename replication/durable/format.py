@@ -164,7 +164,7 @@ class RankRecord:
                 files=parse_files(doc["files"], what),
                 segments=dict(segs),
                 nbytes=_int(doc["bytes"]),
-                finished_unix=float(doc["finished_unix"]),
+                finished_unix=_timestamp(doc["finished_unix"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpoint(f"{what} is malformed: {exc!r}"[:300]) from None
@@ -224,7 +224,7 @@ class Manifest:
                 step=_int(doc["step"]),
                 world_size=_int(doc["world_size"]),
                 run_id=str(doc["run_id"]),
-                created_unix=float(doc["created_unix"]),
+                created_unix=_timestamp(doc["created_unix"]),
                 ranks=ranks,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -237,6 +237,8 @@ class Manifest:
 
 
 def check_format(doc: dict[str, Any], what: str) -> None:
+    if not isinstance(doc, dict):  # e.g. an entry of a manifest's "ranks" list
+        raise CorruptCheckpoint(f"{what}: a record is {type(doc).__name__}, not an object")
     if doc.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{what} is not a {FORMAT} document")
     version = doc.get("format_version")
@@ -250,6 +252,19 @@ def _int(x: Any) -> int:
     if not isinstance(x, int) or isinstance(x, bool):
         raise TypeError(f"expected an integer, got {x!r}"[:80])
     return x
+
+
+#: Timestamps past this (year 5138) are damage, not dates: they would overflow time_t.
+_MAX_TIMESTAMP = 1e11
+
+
+def _timestamp(x: Any) -> float:
+    """A Unix time as recorded by a writer: a finite, non-negative number in range."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        raise TypeError(f"expected a timestamp, got {x!r}"[:80])
+    if not 0 <= x < _MAX_TIMESTAMP:  # also refuses NaN and ints too large for a float
+        raise ValueError(f"timestamp {x!r} is out of range"[:80])
+    return float(x)
 
 
 # -- the per-rank sidecar -----------------------------------------------------------------
@@ -428,14 +443,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}: not allowed")
 
 
-def load_dcp_metadata(raw: bytes) -> Any:
-    """Parse DCP's pickled ``.metadata`` with an allow-list (no arbitrary objects)."""
+def load_dcp_metadata(raw: bytes, what: str = "DCP metadata") -> Any:
+    """Parse DCP's pickled ``.metadata`` with an allow-list (no arbitrary objects).
+
+    ``what`` names the file in errors (``<step dir>/rank_<r>/.metadata``).
+    """
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
         md = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # any malformed pickle: pickle raises many types
-        raise CorruptCheckpoint(f"DCP metadata cannot be read safely: {exc!r}"[:300]) from None
+        raise CorruptCheckpoint(f"{what} cannot be read safely: {exc!r}"[:400]) from None
     if not isinstance(md, Metadata):
-        raise CorruptCheckpoint("DCP metadata is not a Metadata record")
+        raise CorruptCheckpoint(f"{what} is not a DCP Metadata record")
     return md

@@ -134,7 +134,7 @@ def read_rank(
     for seg in wanted:
         if record.segments.get(seg.name) != meta.digests[seg.name]:
             raise CorruptCheckpoint(f"{where}: segment {seg.name!r} digest differs from manifest")
-    md = load_dcp_metadata(fs.cat_file(posixpath.join(rdir, ".metadata")))
+    md = load_dcp_metadata(fs.cat_file(posixpath.join(rdir, ".metadata")), f"{where}/.metadata")
     buffer = torch.zeros(meta.layout.nbytes, dtype=torch.uint8)
     flat: dict[str, torch.Tensor] = {}
     for seg in wanted:

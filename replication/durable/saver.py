@@ -3,12 +3,15 @@
 :class:`RankSaver` is the I/O half of the durable writer. It runs either on the
 writer's thread or, by default, in the writer's helper process (see
 :mod:`replication.durable.worker`), and is the same code in both places. Given a
-staged snapshot it:
+snapshot (staged, or read in place from its snapshot slot) it:
 
 1. skips the step if it already has a manifest (a re-run after a rollback);
 2. writes ``step_<N>/rank_<r>/`` (DCP, ``no_dist=True``: never a collective) and the
    sidecar, then ``rank_<r>.done.json`` with every file's size and checksum; a failed
-   attempt removes what it wrote and is retried with exponential backoff;
+   attempt removes what it wrote and is retried with exponential backoff. A snapshot
+   read in place is checked against its segment digests after its data is written and
+   before the done file is: a corrupted snapshot, or one overwritten mid-write, is
+   never committed (and never retried);
 3. if every rank's done file is now present (and from this run), writes
    ``MANIFEST.json`` atomically, last; then applies retention.
 """
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from replication import codec
+from replication.checksum import ChecksumMismatch
 from replication.durable import catalog
 from replication.durable.format import (
     MANIFEST,
@@ -40,9 +44,11 @@ from replication.durable.format import (
     done_name,
     dumps,
     loads,
+    persisted_digests,
     rank_dirname,
     step_dir,
     tensor_keys,
+    with_digests,
 )
 from replication.durable.storage import (
     Progress,
@@ -54,7 +60,7 @@ from replication.durable.storage import (
     write_atomic,
     write_plain,
 )
-from replication.snapshot import SnapshotMeta
+from replication.snapshot import SnapshotError, SnapshotMeta, verify_segments
 
 log = logging.getLogger("checkpointless.durable")
 
@@ -62,6 +68,11 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 
 OK, SKIPPED, FAILED, EXISTS, ABORTED = "ok", "skipped", "failed", "exists", "aborted"
 STAGE_HEADER = 64  # shared staging buffer: int64 "bytes staged so far", then the snapshot
+
+
+def unverified(why: object) -> str:
+    """The error of a save refused because the snapshot failed its digests."""
+    return f"snapshot failed verification before persisting: {why}"
 
 
 @dataclass
@@ -122,13 +133,22 @@ class RankSaver:
         buf: torch.Tensor,
         abort: threading.Event,
         wait_staged: Callable[[int], None] | None = None,
+        *,
+        verify: bool = False,
     ) -> SaveResult:
         """Persist ``(meta, buf)``; ``meta.digests`` must describe the bytes as persisted.
 
         ``wait_staged(end)``, if given, blocks until ``buf[:end]`` holds its final bytes
         (the buffer is still being filled while the save starts).
+
+        ``verify=True``: ``buf`` is the snapshot itself, read in place, and ``meta`` its
+        own metadata. The digests of the bytes as persisted (alignment padding zeroed)
+        are derived here, and ``buf`` is checked against ``meta``'s segment digests
+        after the data files are written, before the done file: a check *after* the
+        write also catches a buffer that changed while it was being written.
         """
         step = meta.step
+        check = meta if verify else None
         t0, cpu0 = time.monotonic(), time.thread_time()
         result = SaveResult(step, self.rank, FAILED, url=posixpath.join(self.url, f"step_{step}"))
         try:
@@ -137,9 +157,11 @@ class RankSaver:
                 result.status, result.error = EXISTS, "step already persisted"
                 return result
             self.fs.makedirs(self.root, exist_ok=True)
+            if check is not None:
+                meta = with_digests(check, persisted_digests(buf, check))
             status, nbytes, err = self._retry(
-                result, "write", lambda: self._write_rank(sdir, meta, buf, abort, wait_staged),
-                abort)
+                result, "write",
+                lambda: self._write_rank(sdir, meta, buf, abort, wait_staged, check), abort)
             result.status, result.error = status, err
             if status != OK:
                 return result
@@ -178,6 +200,11 @@ class RankSaver:
             except SaveAborted as exc:
                 self.cleanup(result.step)
                 return ABORTED, None, f"{what}: {exc}"
+            except (ChecksumMismatch, SnapshotError) as exc:  # the same bytes fail again
+                self.cleanup(result.step)
+                log.error("rank %d refused to persist step %d: %s", self.rank, result.step,
+                          exc)
+                return FAILED, None, unverified(exc)
             except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
                 err = f"{what}: {_describe(exc)}"
                 if what == "write":
@@ -215,8 +242,11 @@ class RankSaver:
         buf: torch.Tensor,
         abort: threading.Event,
         wait_staged: Callable[[int], None] | None = None,
+        check: SnapshotMeta | None = None,
     ) -> int:
-        """Write this rank's DCP checkpoint, sidecar and done file; returns bytes written."""
+        """Write this rank's DCP checkpoint, sidecar and done file; returns bytes written.
+
+        ``check``: verify ``buf`` against these digests before writing the done file."""
         import torch.distributed.checkpoint as dcp
 
         from replication.durable.dcp_io import (
@@ -250,6 +280,8 @@ class RankSaver:
         side = write_plain(self.fs, posixpath.join(rdir, SIDECAR),
                            Sidecar(self.rank, meta, keys).to_bytes())
         fsync_dir(self.fs, rdir)
+        if check is not None:
+            verify_segments(buf, check)
         files = {f"{rname}/{posixpath.basename(p)}": FileRecord(
             f"{rname}/{posixpath.basename(p)}", size, digest)
             for p, (size, digest) in tracker.files.items()}

@@ -11,9 +11,12 @@ process of its own:
   spawn would re-import the user's ``__main__``), at a lower CPU priority, without GPUs
   (``CUDA_VISIBLE_DEVICES=""``) and with one torch thread;
 - settings, including storage credentials, arrive over a socketpair, never argv;
-- the snapshot is read from a shared-memory staging buffer the training process copies
-  into (the only work left on the training side: one memcpy plus checksum, both
-  without the GIL);
+- the snapshot is read from shared memory: straight from its snapshot slot when the
+  snapshot engine allocates its slots there (a memfd whose descriptor is passed over
+  the socket; the training process does no work for the save at all, and the helper
+  checks the segment digests itself before it commits), else from a named staging
+  buffer the training process copies into (one memcpy plus checksum, both without
+  the GIL);
 - ``torch.save``'s zip CRC32 is switched off in the helper (a third of its CPU per
   byte; torch.load ignores it, and the manifest's checksums cover every byte);
 - log records are forwarded to the parent's ``checkpointless.durable`` logger;
@@ -24,7 +27,6 @@ process of its own:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import queue
@@ -34,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -98,15 +100,26 @@ class ProcessBackend:
         return self.proc is not None and self.proc.poll() is None
 
     def save(
-        self, meta_bytes: bytes, step: int, shm_name: str, nbytes: int,
-        stage: Callable[[], None] | None = None,
+        self, meta_bytes: bytes, step: int, shm_name: str | None, nbytes: int,
+        stage: Callable[[], None] | None = None, *, offset: int = STAGE_HEADER,
+        fd: int | None = None, key: str | None = None, verify: bool = False,
+        live: list[str] | None = None,
     ) -> SaveResult:
-        """Have the helper persist the snapshot in shared memory.
+        """Have the helper persist the ``nbytes`` at ``offset`` in shared memory: the
+        named segment ``shm_name``, or the memfd ``fd`` (whose ``key`` names it in the
+        helper's cache of mappings; the descriptor is sent along with the job).
 
-        ``stage()`` fills the shared buffer, advancing its progress counter. Once the
-        helper is up, it runs after the job is sent, while the helper is already writing
-        (the helper waits wherever it catches up); while the helper is still starting,
-        it runs first, so the caller's buffer is never held hostage by a slow start.
+        ``verify=True``: the bytes are a snapshot read in place (``meta_bytes`` is its own
+        metadata) and the helper checks them against its digests before committing
+        (:meth:`RankSaver.save`). ``live``: the keys (or names) of the shared buffers
+        still in use; the helper unmaps any other it has mapped (a slot reallocated
+        since), so their memory is freed.
+
+        ``stage()`` fills the shared staging buffer, advancing its progress counter. Once
+        the helper is up, it runs after the job is sent, while the helper is already
+        writing (the helper waits wherever it catches up); while the helper is still
+        starting, it runs first, so the caller's buffer is never held hostage by a slow
+        start.
         Returns the helper's result; raises only what ``stage`` raises (after the job is
         abandoned).
         """
@@ -126,8 +139,15 @@ class ProcessBackend:
                 self._ready = self.ever_ready = True
             self._job += 1
             job = self._job
-            self._send(("save", {"id": job, "meta": meta_bytes, "shm": shm_name,
-                                 "nbytes": nbytes, "progressive": stage is not None}))
+            msg = ("save", {"id": job, "meta": meta_bytes, "shm": shm_name or key,
+                            "fd": fd is not None, "offset": offset, "nbytes": nbytes,
+                            "verify": verify, "progressive": stage is not None,
+                            "live": live if live is not None else [shm_name or key]})
+            assert self.conn is not None and self.proc is not None
+            with self._send_lock:
+                self.conn.send(msg)
+                if fd is not None:  # the helper's reader takes it right after the job
+                    reduction.send_handle(self.conn, fd, self.proc.pid)
             if stage is not None:
                 try:
                     stage()
@@ -172,6 +192,13 @@ class ProcessBackend:
                 log.log(msg[1], "%s", msg[2])
             elif msg[0] == kind:
                 return msg[1]
+
+    def abort_current(self) -> None:
+        """Ask the helper to abandon the save in progress (later ones still run)."""
+        try:
+            self._send(("abort", self._job))
+        except (OSError, AttributeError, AssertionError):
+            pass
 
     def abort(self) -> None:
         """Ask the helper to abandon every save, the current one included (close)."""
@@ -222,13 +249,36 @@ class _Forward(logging.Handler):
             pass
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name)
-    try:  # the creator (the training process) owns the segment and unlinks it
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
-    return shm
+class _Segments:
+    """The training process's shared buffers, mapped once and kept mapped across saves
+    (mapping and first-touching hundreds of MB costs milliseconds).
+
+    Mapped with ``torch.from_file``: a mapping lives exactly as long as the tensors
+    over it. A named segment is found in /dev/shm (its creator unlinks it); a memfd
+    arrives as a descriptor with its job and is cached under its key (device and
+    inode: our mapping keeps the file alive, so the key cannot be reused meanwhile).
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._maps: dict[str, Any] = {}
+
+    def get(self, key: str, fd: int | None = None) -> Any:
+        seg = self._maps.get(key)
+        if seg is None:
+            path = (f"/proc/self/fd/{fd}" if fd is not None
+                    else os.path.join("/dev/shm", key.lstrip("/")))
+            size = os.fstat(fd).st_size if fd is not None else os.stat(path).st_size
+            seg = self._torch.from_file(path, shared=True, size=size,
+                                        dtype=self._torch.uint8)
+            self._maps[key] = seg
+        return seg
+
+    def keep_only(self, names: list[str]) -> None:
+        for name in [n for n in self._maps if n not in names]:
+            del self._maps[name]
 
 
 def serve(conn: Connection) -> None:
@@ -278,6 +328,11 @@ def serve(conn: Connection) -> None:
                 jobs.put(None)
                 return
             if msg[0] == "save":
+                if msg[1].pop("fd", False):  # its descriptor follows the job
+                    try:
+                        msg[1]["fd"] = reduction.recv_handle(conn)
+                    except (EOFError, OSError) as exc:
+                        msg[1]["error"] = repr(exc)
                 jobs.put(msg[1])
             elif msg[0] == "abort":
                 with state_lock:
@@ -293,7 +348,7 @@ def serve(conn: Connection) -> None:
 
     threading.Thread(target=reader, name="checkpointless-helper-reader", daemon=True).start()
     send(("ready", os.getpid()))
-    shm: shared_memory.SharedMemory | None = None
+    segments = _Segments()
     while (job := jobs.get()) is not None:
         with state_lock:
             state["current"] = job["id"]
@@ -302,33 +357,37 @@ def serve(conn: Connection) -> None:
             else:
                 abort.clear()
         meta = SnapshotMeta.from_bytes(job["meta"])
+        fd = job.get("fd")
         try:
-            if shm is None or shm.name != job["shm"]:
-                _detach(shm)
-                shm = _attach(job["shm"])
-            buf = torch.frombuffer(shm.buf, dtype=torch.uint8, count=job["nbytes"],
-                                   offset=STAGE_HEADER)
-            wait = _staged_waiter(shm, abort) if job.get("progressive") else None
-            result = saver.save(meta, buf, abort, wait)
-            del buf, wait
+            if job.get("error"):
+                raise HelperError(f"the snapshot's descriptor did not arrive: {job['error']}")
+            seg = segments.get(job["shm"], fd)
+            offset = int(job.get("offset", STAGE_HEADER))
+            buf = seg[offset : offset + job["nbytes"]]
+            wait = _staged_waiter(seg, abort) if job.get("progressive") else None
+            result = saver.save(meta, buf, abort, wait, verify=bool(job.get("verify")))
+            del seg, buf, wait
         except BaseException as exc:  # report, never die silently
             result = SaveResult(meta.step, saver.rank, FAILED, error=repr(exc)[:400])
+        if fd is not None:
+            os.close(fd)  # the mapping, if any, keeps the memory
+        segments.keep_only(job.get("live") or [job["shm"]])
         if abort.is_set() and result.status == FAILED:
             result.status = ABORTED
         try:
             send(("result", result.to_json()))
         except OSError:
             break
-    _detach(shm)
 
 
-def _staged_waiter(shm: shared_memory.SharedMemory, abort: threading.Event):
-    """``wait(end)``: block until the training process has staged ``buf[:end]``."""
+def _staged_waiter(seg: Any, abort: threading.Event):
+    """``wait(end)``: block until the training process has staged ``buf[:end]``
+    (the staging segment's first 8 bytes count the bytes staged so far)."""
     import numpy as np
 
     from replication.durable.storage import SaveAborted
 
-    counter = np.frombuffer(shm.buf, dtype=np.int64, count=1)
+    counter = seg[:8].numpy().view(np.int64)
 
     def wait(end: int) -> None:
         while int(counter[0]) < end:
@@ -336,16 +395,6 @@ def _staged_waiter(shm: shared_memory.SharedMemory, abort: threading.Event):
                 raise SaveAborted("staging was abandoned")
 
     return wait
-
-
-def _detach(shm: shared_memory.SharedMemory | None) -> None:
-    if shm is None:
-        return
-    gc.collect()  # drop tensors that still export the mapping
-    try:
-        shm.close()
-    except BufferError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:

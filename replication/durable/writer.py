@@ -3,17 +3,29 @@
 ``DurableWriter.submit(meta, buffer)`` hands a verified host snapshot to the writer
 and returns at once with a :class:`PersistTicket`. The handshake:
 
-- ``ticket.released`` completes when the writer no longer needs ``buffer``. By default
-  (``staging=True``) the writer's thread first copies the snapshot into its own
-  reusable staging buffer (one memcpy at memory bandwidth, checked against the
-  snapshot's digests chunk by chunk as it goes), so ``released`` fires milliseconds
-  after ``submit``, before any I/O. The caller must not overwrite ``buffer`` until
-  then: the runtime waits for ``released`` before it captures into that snapshot slot
-  again. With ``staging=False`` the writer reads ``buffer`` directly and ``released``
-  fires only when the save is over (no extra memory, but the slot is held for the
-  whole write, and the save runs in-process).
+- ``ticket.released`` completes when the writer no longer needs ``buffer``; the caller
+  must not overwrite ``buffer`` until then (the runtime *holds* the snapshot slot,
+  :meth:`~replication.snapshot.SnapshotEngine.hold`, so no capture writes into it
+  before). Three ways to read it:
+
+  * zero-copy (``zero_copy=True``, what the runtime uses): the helper process reads
+    the snapshot straight from its slot, which the snapshot engine allocated in
+    shared memory (:func:`~replication.snapshot.shared_location`; the descriptor is
+    passed to the helper), and checks it against the snapshot's digests itself
+    before committing. The training process does no work for the save; ``released``
+    fires when the save is over, so the caller needs a spare slot (the runtime's
+    engine keeps three). A buffer not in shared memory is written the same way from
+    the writer's thread;
+  * staging (the default): the writer's thread first copies the snapshot into its own
+    reusable staging buffer (one paced memcpy, checked against the snapshot's digests
+    chunk by chunk as it goes), so ``released`` fires some 100 ms after ``submit``,
+    before any I/O; ``submit(release_within_s=...)`` hurries the copy, and makes a
+    zero-copy writer stage that save too;
+  * ``staging=False``: the writer's thread reads ``buffer`` directly (no extra memory;
+    the slot is held for the whole write, and the save runs in-process).
 - ``ticket.done`` completes with a :class:`SaveResult` when this rank's files are
-  durable (or the save was skipped, failed or aborted).
+  durable (or the save was skipped, failed or aborted). :meth:`DurableWriter.cancel`
+  abandons a save that holds a buffer for too long.
 
 ``submit`` never waits for storage: it takes a lock and hands over a reference. If
 the writer is still busy with an earlier step, the new step is skipped (logged, and
@@ -22,15 +34,16 @@ grow memory or stall training. Failed writes are retried with exponential backof
 when every attempt fails the save is dropped with a loud error and training goes on.
 
 Serialisation and I/O run in a helper process per rank by default
-(``isolation="process"``, :mod:`replication.durable.worker`), reading the staging
-buffer from shared memory, so ``torch.save``'s GIL-holding work never competes with
-the training loop; ``isolation="thread"`` runs the same code
+(``isolation="process"``, :mod:`replication.durable.worker`), reading the snapshot
+slot or the staging buffer from shared memory, so ``torch.save``'s GIL-holding work
+never competes with the training loop; ``isolation="thread"`` runs the same code
 (:class:`~replication.durable.saver.RankSaver`) on the writer's thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -57,8 +70,15 @@ from replication.durable.saver import (
     RankSaver,
     SaveResult,
     SaverSettings,
+    unverified,
 )
-from replication.snapshot import SnapshotError, SnapshotMeta, segment_trailer, verify_segments
+from replication.snapshot import (
+    SnapshotError,
+    SnapshotMeta,
+    segment_trailer,
+    shared_keys,
+    shared_location,
+)
 
 log = logging.getLogger("checkpointless.durable")
 
@@ -109,6 +129,8 @@ class _Job:
     buffer: torch.Tensor
     ticket: PersistTicket
     release_by: float | None = None  # time.monotonic() deadline for ``released``
+    direct: bool = False  # read ``buffer`` in place (zero-copy or staging=False)
+    abort: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class DurableWriter:
@@ -123,6 +145,7 @@ class DurableWriter:
         run_id: str | None = None,
         isolation: str = "process",
         staging: bool = True,
+        zero_copy: bool = False,
         retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
@@ -135,7 +158,9 @@ class DurableWriter:
         files that share it, so leftovers of a crashed earlier run never mix in (default:
         ``CHECKPOINTLESS_RUN_ID``, else ``TORCHELASTIC_RUN_ID``, else ``"default"``).
         ``isolation``: ``"process"`` (a helper process does the I/O) or ``"thread"``;
-        ``staging=False`` implies ``"thread"``. ``prune``: the rank that writes a
+        ``staging=False`` implies ``"thread"``. ``zero_copy``: read submitted buffers in
+        place (from shared memory in the helper), holding them until the save is over,
+        with no staging buffer (see the module docstring). ``prune``: the rank that writes a
         manifest then applies ``config.keep_last``. ``max_write_mbps`` (0: unlimited)
         paces this rank's writes, to spare shared storage or the CPU of a small host."""
         if not 0 <= rank < world_size:
@@ -147,6 +172,7 @@ class DurableWriter:
         self.run_id = run_id or os.environ.get("CHECKPOINTLESS_RUN_ID") or os.environ.get(
             "TORCHELASTIC_RUN_ID") or "default"
         self.staging = staging
+        self.zero_copy = zero_copy
         self.isolation = isolation if staging else "thread"
         self._clock = clock
         self.enabled = bool(config.path)
@@ -155,6 +181,8 @@ class DurableWriter:
         self._progress: np.ndarray | None = None
         self._cond = threading.Condition()
         self._pending: _Job | None = None
+        self._current: _Job | None = None
+        self._warned_private = False
         self._busy_step: int | None = None
         self._busy_since = 0.0
         self._rows: list[HistoryRow] = []
@@ -239,10 +267,11 @@ class DurableWriter:
     ) -> PersistTicket:
         """Persist the snapshot ``(meta, buffer)`` in the background; never waits on I/O.
 
-        ``buffer`` must stay unchanged until ``ticket.released`` completes: by default the
-        staging copy runs at ``STAGE_BYTES_PER_S`` (about 85 ms per 128 MB); pass
-        ``release_within_s`` (e.g. the time until the caller captures into this buffer
-        again) to have it hurry when that would be too late.
+        ``buffer`` must stay unchanged until ``ticket.released`` completes. A zero-copy
+        writer reads it until the save is over. Otherwise the staging copy runs at
+        ``STAGE_BYTES_PER_S`` (about 85 ms per 128 MB); pass ``release_within_s`` (e.g.
+        the time until the caller captures into this buffer again) to have it hurry
+        when that would be too late (a zero-copy writer then stages this save).
         """
         ticket = PersistTicket(meta.step)
         if not self.enabled:
@@ -268,7 +297,8 @@ class DurableWriter:
                           "so far); storage cannot keep up")
             else:
                 release_by = None if release_within_s is None else now + release_within_s
-                self._pending = _Job(meta, buffer, ticket, release_by)
+                direct = not self.staging or (self.zero_copy and release_by is None)
+                self._pending = _Job(meta, buffer, ticket, release_by, direct)
                 self._busy_step, self._busy_since = meta.step, now
                 self._cond.notify_all()
                 return ticket
@@ -300,6 +330,41 @@ class DurableWriter:
                 self._cond.wait(left)
         return True
 
+    def cancel(self, ticket: PersistTicket, grace_s: float = 10.0) -> bool:
+        """Abandon the save of ``ticket`` (it holds the caller's buffer for too long).
+
+        The previous checkpoint stays valid; the save ends ``aborted``. A helper that
+        does not stop within ``grace_s`` is killed (the next save restarts it). Returns
+        whether the writer has released the buffer (a save on the writer's own thread
+        may be stuck in a storage call that cannot be interrupted).
+        """
+        with self._cond:
+            job = self._pending
+            if job is not None and job.ticket is ticket:  # not started yet: drop it
+                self._pending, self._busy_step = None, None
+                result = SaveResult(ticket.step, self.rank, ABORTED, error="cancelled")
+                self._record(result)
+                self._cond.notify_all()
+            else:
+                job, result = self._current, None
+        if result is not None:
+            ticket._finish(result)
+            return True
+        if job is None or job.ticket is not ticket:
+            return ticket.released.done()
+        log.warning("durable writer of rank %d: cancelling the save of step %d, which holds "
+                    "its snapshot buffer too long (the previous checkpoint stays valid)",
+                    self.rank, ticket.step)
+        job.abort.set()
+        backend = self._backend
+        if backend is not None:
+            backend.abort_current()
+            if not ticket.wait_released(grace_s):
+                log.error("durable writer of rank %d: the helper did not stop within %.0fs; "
+                          "killing it", self.rank, grace_s)
+                backend.kill()
+        return ticket.wait_released(grace_s)
+
     def close(self, timeout: float = 60.0) -> None:
         """Finish the save in flight (up to ``timeout``), then stop; aborts it after that."""
         with self._cond:
@@ -314,6 +379,9 @@ class DurableWriter:
                         "aborting it (the previous checkpoint stays valid)", self.rank,
                         self._busy_step, timeout)
             self._abort.set()
+            job = self._current
+            if job is not None:
+                job.abort.set()
             if self._backend is not None:
                 self._backend.abort()
                 if not self.flush(5.0):
@@ -346,6 +414,9 @@ class DurableWriter:
                 while self._pending is None and not self._rows and not self._closed:
                     self._cond.wait()
                 job, self._pending = self._pending, None
+                self._current = job
+                if job is not None and self._abort.is_set():
+                    job.abort.set()
                 rows, self._rows = self._rows, []
             self._history.append(rows)
             if job is None:
@@ -365,7 +436,7 @@ class DurableWriter:
                 self._fail_loudly(result)
             with self._cond:
                 self._record(result)
-                self._busy_step = None
+                self._busy_step, self._current = None, None
                 self._cond.notify_all()
             job.ticket._finish(result)
 
@@ -399,25 +470,63 @@ class DurableWriter:
         step = job.meta.step
         t0, cpu0 = time.monotonic(), time.thread_time()
         n = job.meta.layout.nbytes
-        # Digests of the bytes as a loader will rebuild them (alignment padding zeroed);
-        # read from the source's few padding bytes, so the save can start before staging.
-        meta = with_digests(job.meta, persisted_digests(job.buffer, job.meta))
-        if self.staging and (self._staging_buf is None or self._staging_buf.numel() < n):
-            self._allocate_staging(n)
-        if self._backend is not None and self._shm is not None:
-            result = self._process_in_helper(job, meta)
+        if job.direct:
+            result = self._process_direct(job)
         else:
-            try:
-                buf = self._stage(job, None)
-            except (ChecksumMismatch, SnapshotError) as exc:
-                return _unverified(step, self.rank, exc)
-            finally:
-                if self.staging:
+            # Digests of the bytes as a loader will rebuild them (alignment padding
+            # zeroed); read from the source's few padding bytes, so the save can start
+            # before staging.
+            meta = with_digests(job.meta, persisted_digests(job.buffer, job.meta))
+            if self._staging_buf is None or self._staging_buf.numel() < n:
+                self._allocate_staging(n)
+            if self._backend is not None and self._shm is not None:
+                result = self._process_in_helper(job, meta)
+            else:
+                try:
+                    buf = self._stage(job, None)
+                except (ChecksumMismatch, SnapshotError) as exc:
+                    return _unverified(step, self.rank, exc)
+                finally:
                     job.ticket._release()
-            result = self._saver.save(meta, buf, self._abort)
+                result = self._saver.save(meta, buf, job.abort)
         result.duration_s = time.monotonic() - t0
         result.cpu_s += time.thread_time() - cpu0
         return result
+
+    def _process_direct(self, job: _Job) -> SaveResult:
+        """Persist straight from the caller's buffer: no copy in this process when the
+        buffer is in shared memory and the helper is up (it verifies the bytes itself,
+        after writing them and before committing), else from this thread."""
+        n = job.meta.layout.nbytes
+        where = shared_location(job.buffer) if self._backend is not None else None
+        if where is not None:
+            assert self._backend is not None
+            live = shared_keys() + ([self._shm.name] if self._shm is not None else [])
+            result = self._backend.save(job.meta.to_bytes(), job.meta.step, None, n,
+                                        offset=where.offset, fd=where.fd, key=where.key,
+                                        verify=True, live=live)
+            self._check_helper(result)
+            return result
+        if self._backend is not None and not self._warned_private:
+            self._warned_private = True
+            log.warning("durable writer of rank %d: the snapshot buffer is not in shared "
+                        "memory; persisting it from a thread of the training process",
+                        self.rank)
+        return self._saver.save(job.meta, job.buffer[:n], job.abort, verify=True)
+
+    def _check_helper(self, result: SaveResult) -> None:
+        """After a helper save: clean up after a helper that died mid-save, and give up
+        on one that never started (persist from a thread from then on)."""
+        assert self._backend is not None
+        if result.status in (FAILED, ABORTED) and not self._backend.alive:
+            self._saver.cleanup(result.step)  # the helper died mid-save
+            if not self._backend.ever_ready and not self._abort.is_set():
+                log.error("durable writer of rank %d: the helper process failed to start "
+                          "(%s); persisting from a thread of the training process from "
+                          "now on", self.rank, result.error)
+                self._backend.stop()
+                self._backend, self.isolation = None, "thread"
+                import replication.durable.dcp_io  # noqa: F401
 
     def _process_in_helper(self, job: _Job, meta: SnapshotMeta) -> SaveResult:
         """Staging and writing overlap: the helper starts serialising the first tensors
@@ -440,30 +549,21 @@ class DurableWriter:
             finally:
                 job.ticket._release()
 
+        live = [*shared_keys(), self._shm.name]
         try:
-            result = self._backend.save(meta.to_bytes(), step, self._shm.name, n, stage)
+            result = self._backend.save(meta.to_bytes(), step, self._shm.name, n, stage,
+                                        live=live)
         except (ChecksumMismatch, SnapshotError):
             failure = failure or ["staging failed"]
         if failure:  # the helper was told to abandon the save
             self._saver.cleanup(step)
             return _unverified(step, self.rank, failure[0])
-        if result.status in (FAILED, ABORTED) and not self._backend.alive:
-            self._saver.cleanup(step)  # the helper died mid-save
-            if not self._backend.ever_ready and not self._abort.is_set():
-                log.error("durable writer of rank %d: the helper process failed to start "
-                          "(%s); persisting from a thread of the training process from "
-                          "now on", self.rank, result.error)
-                self._backend.stop()
-                self._backend, self.isolation = None, "thread"
-                import replication.durable.dcp_io  # noqa: F401
+        self._check_helper(result)
         return result
 
     # -- staging --------------------------------------------------------------------------
     def _stage(self, job: _Job, on_progress) -> torch.Tensor:
         n = job.meta.layout.nbytes
-        if not self.staging:
-            verify_segments(job.buffer, job.meta)
-            return job.buffer
         assert self._staging_buf is not None
         staged = self._staging_buf[:n]
         rate = STAGE_BYTES_PER_S
@@ -507,8 +607,7 @@ class DurableWriter:
 
 
 def _unverified(step: int, rank: int, why: object) -> SaveResult:
-    return SaveResult(step, rank, FAILED, error=f"snapshot failed verification before "
-                      f"persisting: {why}")
+    return SaveResult(step, rank, FAILED, error=unverified(why))
 
 
 def _shared_buffer(n: int) -> shared_memory.SharedMemory | None:

@@ -1,0 +1,300 @@
+"""Turn a run's events into what the report shows: failures, recoveries, steps, summary.
+
+One *failure* is one generation: every detector of the same failure dedupes into one
+generation (``recovery.protocol.declare_failure``), so a generation is the honest unit
+to count. For each generation this module gathers every piece of evidence (the agents'
+declared causes, injected faults, the workers' ``recovery`` and ``resumed`` events) and
+derives:
+
+* the failure time: the injected fault when there is one, else the first detection;
+* the recovery phases of the *critical* rank, the one that finished recovering last:
+  detect (failure -> that rank noticed it), abort, rendezvous, transfer (its own
+  ``timings``), then the first step completed after it; they add up to the failure's
+  recovery time (failure -> first step done after it);
+* the steps lost: the newest step rank 0 completed before the failure minus the step
+  the job rolled back to (work done again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Recovery phases in the order they happen (keys of the ``recovery`` event's timings),
+#: then the first step after it (from the ``resumed`` event).
+PHASES = ("detect_s", "abort_s", "rendezvous_s", "transfer_s", "first_step_s")
+PHASE_LABELS = {"detect_s": "detect", "abort_s": "abort", "rendezvous_s": "rendezvous",
+                "transfer_s": "transfer", "first_step_s": "first step"}
+
+
+@dataclass
+class Failure:
+    """One generation's failure and (when it happened) its recovery."""
+
+    gen: int
+    detected_at: float
+    what: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # injected fault specs
+    fault_times: list[float] = field(default_factory=list)
+    failed_at: float = 0.0
+    recovered_at: float | None = None
+    resumed_at: float | None = None
+    target_step: int | None = None
+    steps_lost: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    critical_rank: int | None = None
+    newcomers: list[int] = field(default_factory=list)
+    replacements: list[str] = field(default_factory=list)
+    bytes_transferred: int = 0
+    via: str = "memory"  # or "durable" (every in-memory copy was lost)
+    outcome: str = "recovered"
+
+    @property
+    def recovered(self) -> bool:
+        return self.recovered_at is not None
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Failure -> first step done after the recovery (or the recovery's end)."""
+        end = self.resumed_at or self.recovered_at
+        return None if end is None else max(0.0, end - self.failed_at)
+
+
+@dataclass
+class Run:
+    """Everything the report shows, derived from the events only."""
+
+    t0: float
+    t_end: float
+    world_size: int
+    agents: list[int]
+    steps: list[tuple[float, int, float | None]]  # (ts, step, snapshot stall or None)
+    replications: list[tuple[float, dict[str, Any]]]  # (ts, round stats)
+    failures: list[Failure]
+    marks: list[tuple[float, str, str]]  # (ts, lane, label): failures, workers, ...
+    outcome: str
+    final_step: int | None
+    config: dict[str, Any]
+    cwd: str | None
+    counts: dict[str, int]
+
+    @property
+    def recoveries(self) -> list[Failure]:
+        return [f for f in self.failures if f.recovered]
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.t_end - self.t0)
+
+
+def describe(cause: dict[str, Any]) -> str:
+    """A failure cause in words (the same wording as the agent's log lines)."""
+    kind = cause.get("kind")
+    rank, node = cause.get("rank"), cause.get("node")
+    where = f"rank {rank}" + (f" on node {node}" if node is not None else "")
+    if kind == "node_lost":
+        return f"node {node} lost (ranks {cause.get('ranks')})"
+    if kind == "worker_hung":
+        return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
+    if kind == "worker_exit":
+        if cause.get("signal"):
+            return f"{where} was killed by {cause['signal']}"
+        return f"{where} exited with code {cause.get('exitcode')}"
+    if kind == "exception":
+        return f"{where} raised {_short(cause.get('error'))}"
+    if kind == "failure_during_recovery":
+        return f"failure during recovery, seen by {where}: {_short(cause.get('error'))}"
+    if kind == "peer_failure":
+        return f"{where} saw a peer fail: {_short(cause.get('error'))}"
+    return f"{kind or 'unknown failure'} ({where})"
+
+
+def _short(text: Any, limit: int = 120) -> str:
+    s = " ".join(str(text or "").split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def build_run(events: list[dict[str, Any]]) -> Run:
+    """The report's model of a run; ``events`` must be sorted by ``ts``."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        by.setdefault(e["event"], []).append(e)
+    t0, t_end = float(events[0]["ts"]), float(events[-1]["ts"])
+    steps = [(float(e["ts"]), int(e["step"]), e.get("stall_s")) for e in by.get("step", [])
+             if isinstance(e.get("step"), int)]
+    replications = [(float(e["ts"]), e["replicated"]) for e in by.get("step", [])
+                     if isinstance(e.get("replicated"), dict)]
+    starts = by.get("agent_start", [])
+    config = next((e["config"] for e in starts if isinstance(e.get("config"), dict)), {})
+    failures = _failures(by, steps)
+    return Run(
+        t0=t0, t_end=t_end, world_size=_world_size(by), agents=_agents(by),
+        steps=steps, replications=replications, failures=failures, marks=_marks(by),
+        outcome=_outcome(by), final_step=_final_step(by, steps), config=config,
+        cwd=next((str(e["cwd"]) for e in starts if e.get("cwd")), None),
+        counts={name: len(evs) for name, evs in sorted(by.items())},
+    )
+
+
+def _world_size(by: dict[str, list[dict[str, Any]]]) -> int:
+    sizes = [int(e["world_size"]) for e in by.get("agent_start", [])
+             if isinstance(e.get("world_size"), int)]
+    if sizes:
+        return max(sizes)
+    ranks = [e.get("rank") for name in ("worker_start", "worker_ready", "recovery")
+             for e in by.get(name, [])]
+    ints = [r for r in ranks if isinstance(r, int)]
+    return max(ints) + 1 if ints else 0
+
+
+def _agents(by: dict[str, list[dict[str, Any]]]) -> list[int]:
+    return sorted({int(e["node"]) for e in by.get("agent_start", [])
+                   if isinstance(e.get("node"), int)})
+
+
+def _final_step(by: dict[str, list[dict[str, Any]]],
+                steps: list[tuple[float, int, float | None]]) -> int | None:
+    done = [int(e["step"]) for e in by.get("worker_done", []) if isinstance(e.get("step"), int)]
+    if done:
+        return max(done)
+    return steps[-1][1] if steps else None
+
+
+def _outcome(by: dict[str, list[dict[str, Any]]]) -> str:
+    if by.get("job_failed"):
+        return f"failed: {by['job_failed'][0].get('reason', '?')}"
+    if by.get("job_done"):
+        return "completed"
+    if by.get("agent_exit"):
+        return f"stopped by {by['agent_exit'][0].get('signal', 'a signal')}"
+    return "unfinished (no job_done or job_failed event: still running, or the agents died)"
+
+
+def _failures(by: dict[str, list[dict[str, Any]]],
+              steps: list[tuple[float, int, float | None]]) -> list[Failure]:
+    gens: dict[int, Failure] = {}
+
+    def failure(gen: int, ts: float) -> Failure:
+        f = gens.get(gen)
+        if f is None:
+            f = gens[gen] = Failure(gen=gen, detected_at=ts, failed_at=ts)
+        return f
+
+    for e in by.get("failure_declared", []):
+        cause = e.get("cause") or {}
+        f = failure(int(e["gen"]), float(cause.get("ts", e["ts"])))
+        _add(f.what, describe(cause))
+    recs = [e for e in by.get("recovery", []) if isinstance(e.get("gen"), int)]
+    declared = set(gens)  # generations an agent described (exit, hang, node loss)
+    for e in recs:
+        cause = e.get("cause") or {}
+        f = failure(int(e["gen"]), float(cause.get("ts", e["ts"])))
+        f.detected_at = min(f.detected_at, float(cause.get("ts", f.detected_at)))
+        if f.gen not in declared and cause:
+            _add(f.what, describe(cause))  # a worker's own cause: an exception, say
+    for f in gens.values():
+        _fill_recovery(f, [e for e in recs if e["gen"] == f.gen], by)
+    for e in by.get("durable_fallback", []):
+        if int(e.get("gen", -1)) in gens:
+            f = gens[int(e["gen"])]
+            f.via = "durable"
+            f.steps_lost = max(f.steps_lost, int(e.get("steps_lost") or 0))
+    ordered = sorted(gens.values(), key=lambda f: f.gen)
+    _assign_faults(ordered, by.get("fault_injected", []))
+    for f in ordered:
+        f.failed_at = min([f.detected_at, *f.fault_times])
+        if f.phases:  # the time before anyone noticed is part of detecting it
+            f.phases["detect_s"] += f.detected_at - f.failed_at
+        if not f.what and f.faults:
+            f.what.append(f"injected fault {f.faults[0]}")
+        before = [s for ts, s, _ in steps if ts <= f.detected_at]
+        if f.target_step is not None and before and f.via == "memory":
+            f.steps_lost = max(0, max(before) - f.target_step)
+    _mark_unrecovered(ordered, by)
+    return ordered
+
+
+def _fill_recovery(f: Failure, recs: list[dict[str, Any]],
+                   by: dict[str, list[dict[str, Any]]]) -> None:
+    for e in by.get("replacement_assigned", []):
+        if e.get("gen") == f.gen:
+            how = "a warm spare" if e.get("spare") else "a new process"
+            _add(f.replacements, f"rank {e.get('rank')} -> {how} (pid {e.get('pid')})")
+    if not recs:
+        return
+    last = max(recs, key=lambda e: float(e.get("recovered_at", e["ts"])))
+    f.recovered_at = float(last.get("recovered_at", last["ts"]))
+    f.critical_rank = last.get("rank")
+    f.target_step = int(last.get("target_step", -1))
+    timings = last.get("timings") or {}
+    f.phases = {k: float(timings.get(k, 0.0)) for k in PHASES[:-1]}
+    f.newcomers = sorted({int(r) for e in recs for r in e.get("newcomers") or []})
+    f.bytes_transferred = sum(int(e.get("bytes_transferred") or 0) for e in recs
+                              if e.get("newcomer"))
+    resumed = [e for e in by.get("resumed", []) if e.get("gen") == f.gen]
+    if resumed:
+        f.resumed_at = max(float(e["ts"]) for e in resumed)
+        f.phases["first_step_s"] = max(0.0, f.resumed_at - f.recovered_at)
+    for e in by.get("node_takeover", []):
+        if f.detected_at - 1 <= float(e["ts"]) <= f.recovered_at:
+            _add(f.replacements, f"ranks {e.get('ranks')} -> node {e.get('node')}")
+
+
+def _assign_faults(ordered: list[Failure], faults: list[dict[str, Any]]) -> None:
+    """Each injected fault belongs to the first generation detected after it fired."""
+    for e in faults:
+        ts = float(e["ts"])
+        for f in ordered:
+            if f.detected_at >= ts - 0.05:
+                _add(f.faults, str(e.get("fault", "?")))
+                f.fault_times.append(ts)
+                break
+
+
+def _mark_unrecovered(ordered: list[Failure], by: dict[str, list[dict[str, Any]]]) -> None:
+    fatal = by.get("job_failed") or by.get("fatal") or []
+    for i, f in enumerate(ordered):
+        if f.recovered:
+            continue
+        later = [g.gen for g in ordered[i + 1:]]
+        if later:
+            f.outcome = f"superseded by generation {later[0]} (a failure during recovery)"
+        elif fatal:
+            f.outcome = f"not recovered: {fatal[0].get('reason', '?')}"
+        else:
+            f.outcome = "not recovered (no recovery event)"
+
+
+def _marks(by: dict[str, list[dict[str, Any]]]) -> list[tuple[float, str, str]]:
+    out: list[tuple[float, str, str]] = []
+    done = {e.get("source"): float(e["ts"]) for e in by.get("worker_done", [])}
+
+    def lane(e: dict[str, Any]) -> str:
+        """A rank that had finished training and then stalled or crashed on its way out
+        did not fail the job (the agent records it as done)."""
+        finished = done.get(f"rank{e.get('rank')}")
+        return "workers" if finished is not None and finished < float(e["ts"]) else "failures"
+
+    for e in by.get("fault_injected", []):
+        out.append((float(e["ts"]), "failures", f"fault {e.get('fault')}"))
+    for e in by.get("worker_exit", []):
+        if e.get("exitcode") not in (0, None):
+            what = e.get("signal") or f"exit {e.get('exitcode')}"
+            out.append((float(e["ts"]), lane(e), f"rank {e.get('rank')} {what}"))
+    for e in by.get("worker_hung", []):
+        out.append((float(e["ts"]), lane(e), f"rank {e.get('rank')} hung"))
+    for e in by.get("node_lost", []):
+        out.append((float(e["ts"]), "failures", f"node {e.get('lost_node')} lost"))
+    for e in by.get("failure_declared", []):
+        out.append((float(e["ts"]), "declared", f"gen {e.get('gen')}"))
+    for e in by.get("worker_start", []):
+        label = f"rank {e.get('rank')}" + (" (spare)" if e.get("spare") else "")
+        out.append((float(e["ts"]), "workers", label))
+    for e in by.get("job_failed", []) + by.get("fatal", []):
+        out.append((float(e["ts"]), "failures", "fatal"))
+    return sorted(out)
+
+
+def _add(items: list[str], item: str) -> None:
+    if item not in items:
+        items.append(item)

@@ -1,0 +1,104 @@
+"""Worker output on the agent's console, one whole line at a time, prefixed with the rank.
+
+With many ranks on a node, bare worker output cannot be told apart ("durable checkpoint
+skipped" eight times, tracebacks of unknown origin) and long lines from two workers can
+interleave mid-line. So each worker's stdout and stderr are pipes that the agent copies
+to its own stdout and stderr, prefixing every line with ``[rank<N>]: `` (torchrun's
+``--tee`` style) and writing each line with one call under a lock.
+
+A warm spare's pipes exist before it has a rank: its lines read ``[spare]: `` until
+:meth:`Relay.set_label` names the rank it was handed. Relays are daemon threads; the
+agent calls :func:`drain` before it exits so a worker's last lines are not lost (bounded:
+a grandchild that inherited the pipe may keep it open).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import BinaryIO, TextIO
+
+_LOCK = threading.Lock()
+_THREADS: list[threading.Thread] = []
+_BY_PID: dict[int, Relay] = {}
+MAX_PENDING = 16 * 1024  # a "line" this long without a newline is written out anyway
+
+
+class Relay:
+    """Copies one child's stdout and stderr to ours with a prefix that can change."""
+
+    def __init__(self, proc: subprocess.Popen, label: str) -> None:
+        self.label = label
+        self._threads: list[threading.Thread] = []
+        for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            if src is None:
+                continue
+            t = threading.Thread(target=self._copy, args=(src, dst), daemon=True,
+                                 name=f"checkpointless-output-{proc.pid}")
+            t.start()
+            self._threads.append(t)
+            _THREADS.append(t)
+
+    @property
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+
+    def _copy(self, src: BinaryIO, dst: TextIO) -> None:
+        fd, pending = src.fileno(), b""
+        try:
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    self._write(dst, line + b"\n")
+                if len(pending) > MAX_PENDING:
+                    self._write(dst, pending + b"\n")
+                    pending = b""
+        except OSError:
+            pass
+        finally:
+            if pending:
+                self._write(dst, pending + b"\n")
+            src.close()
+
+    def _write(self, dst: TextIO, line: bytes) -> None:
+        data = f"[{self.label}]: ".encode() + line
+        with _LOCK:
+            try:
+                dst.flush()  # whatever the agent printed itself goes first
+                dst.buffer.write(data)
+                dst.buffer.flush()
+            except (OSError, ValueError, AttributeError):
+                pass  # our console is gone; the worker must not notice
+
+
+def relay(proc: subprocess.Popen, label: str) -> Relay:
+    """Start copying ``proc``'s piped output, prefixed with ``label``."""
+    r = _BY_PID[proc.pid] = Relay(proc, label)
+    return r
+
+
+def relabel(pid: int, label: str) -> None:
+    """Name the rank a warm spare was just handed."""
+    r = _BY_PID.get(pid)
+    if r is not None:
+        r.set_label(label)
+
+
+def drain(timeout_s: float = 2.0) -> None:
+    """Wait (bounded) until the output of exited workers has been written."""
+    deadline = time.monotonic() + timeout_s
+    for t in list(_THREADS):
+        t.join(max(0.0, deadline - time.monotonic()))
+    _THREADS[:] = [t for t in _THREADS if t.is_alive()]
+    for pid in [pid for pid, r in _BY_PID.items() if not r.alive]:
+        del _BY_PID[pid]

@@ -1,0 +1,163 @@
+"""A Lightning run's training state as snapshot entries, restored through Lightning.
+
+Lightning already knows how to put a run back together from a checkpoint dictionary:
+model, optimizers, schedulers, loop counters, callbacks, precision plugin, datamodule
+and stateful data loaders. So a snapshot *is* a Lightning checkpoint dictionary
+(``dump_checkpoint``), split into a few entries so that data-parallel dedupe works per
+part, plus the RNG streams Lightning does not save. Restoring does not touch live
+objects: the entries keep what they receive (:class:`LightningState` ``pending``), and
+the strategy hands it back to Lightning as the checkpoint of a re-entered ``fit``.
+
+Hyper-parameters are left out: they are arbitrary Python objects the pickle-free
+snapshot codec refuses, and they never change during a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from replication.codec import CodecError, encode
+from replication.state import RNGState, TrainingState
+
+#: Top-level checkpoint keys that hold hyper-parameters (module and datamodule).
+HPARAM_KEYS = frozenset({
+    "hyper_parameters", "hparams_name", "hparams_type",
+    "datamodule_hyper_parameters", "datamodule_hparams_name", "datamodule_hparams_type",
+})
+
+#: Which checkpoint keys go to which snapshot entry; everything else is "trainer".
+PARTS = {"model": ("state_dict",), "optimizer": ("optimizer_states", "lr_schedulers")}
+ENTRY_NAMES = ("model", "optimizer", "trainer")
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Split a Lightning checkpoint into snapshot entries, hyper-parameters dropped."""
+    parts: dict[str, dict[str, Any]] = {name: {} for name in ENTRY_NAMES}
+    owner = {key: name for name, keys in PARTS.items() for key in keys}
+    for key, value in checkpoint.items():
+        if key in HPARAM_KEYS:
+            continue
+        parts[owner.get(key, "trainer")][key] = value
+    return parts
+
+
+def check_encodable(checkpoint: dict[str, Any]) -> None:
+    """Raise a clear error naming the first checkpoint value snapshots cannot hold."""
+    for key, value in checkpoint.items():
+        if key in HPARAM_KEYS:
+            continue
+        try:
+            encode(value, lambda t, path: 0)
+        except CodecError as exc:
+            raise CodecError(
+                f"Lightning checkpoint key {key!r} cannot be held in a checkpointless snapshot: "
+                f"{exc}. Values added in on_save_checkpoint hooks must be tensors, numbers, "
+                "strings, bytes, or dicts/lists/tuples of them"
+            ) from None
+
+
+class DeferredRNG:
+    """RNG streams captured at a known point of Lightning's loop, restored at the same point.
+
+    ``at`` names the point: ``"fetch"`` (just before the next training batch is fetched),
+    ``"train_start"`` (the strategy's ``on_train_start``) or ``"end"``. A restored state
+    waits in ``pending`` until the resumed loop reaches that point again, so whatever
+    Lightning does in between (re-creating the data iterator draws a seed) cannot shift
+    the streams against a run without failures.
+    """
+
+    def __init__(self) -> None:
+        self.at = "fetch"
+        self.pending: dict[str, Any] | None = None
+        self._rng = RNGState()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.pending is not None:
+            return self.pending
+        return {"at": self.at, **self._rng.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.pending = dict(state_dict)
+
+    def apply_pending(self, at: str) -> bool:
+        """Restore the pending streams if they were captured at ``at``."""
+        if self.pending is None or self.pending.get("at") != at:
+            return False
+        state, self.pending = self.pending, None
+        self._rng.load_state_dict(state)
+        return True
+
+    def apply_now(self) -> None:
+        """Restore the pending streams wherever they were captured (durable resume)."""
+        if self.pending is not None:
+            state, self.pending = self.pending, None
+            self._rng.load_state_dict(state)
+
+
+class _Entry:
+    """One part of the checkpoint dictionary, as a ``Stateful`` for the registry."""
+
+    def __init__(self, owner: LightningState, name: str) -> None:
+        self._owner, self._name = owner, name
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._owner.part(self._name)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._owner.pending[self._name] = state_dict
+
+
+class LightningState:
+    """The snapshot entries of a Lightning run and their pending restore.
+
+    ``refresh(dump)`` is called right before each snapshot with the function that builds
+    the live checkpoint dictionary; between snapshots the entries hold no reference to
+    live tensors. After a restore, ``state_dict`` returns what was restored until
+    :meth:`take_checkpoint` hands it to Lightning, so a capture taken in between (a
+    newcomer seals the state it received) holds exactly the restored state.
+    """
+
+    def __init__(self) -> None:
+        self.rng = DeferredRNG()
+        self.pending: dict[str, dict[str, Any]] = {}
+        self._cache: dict[str, dict[str, Any]] | None = None
+        self._checked = False
+        self.registry = TrainingState(rng=False)
+        self.registry.register("rng", self.rng)
+        for name in ENTRY_NAMES:
+            self.registry.register(name, _Entry(self, name))
+
+    def part(self, name: str) -> dict[str, Any]:
+        if name in self.pending:
+            return self.pending[name]
+        if self._cache is not None:
+            return self._cache[name]
+        return {}
+
+    def refresh(self, dump: Callable[[], dict[str, Any]], at: str) -> None:
+        checkpoint = dump()
+        if not self._checked:  # a clear message naming the key, once; later: codec errors
+            check_encodable(checkpoint)
+            self._checked = True
+        self._cache = split_checkpoint(checkpoint)
+        self.rng.at = at
+
+    def release(self) -> None:
+        """Drop the references to live state taken by :meth:`refresh`."""
+        self._cache = None
+
+    @property
+    def has_pending(self) -> bool:
+        return all(name in self.pending for name in ENTRY_NAMES)
+
+    def take_checkpoint(self) -> dict[str, Any]:
+        """The restored state as one Lightning checkpoint dictionary (consumes it)."""
+        missing = [n for n in ENTRY_NAMES if n not in self.pending]
+        if missing:
+            raise RuntimeError(f"no restored checkpointless state to resume from (missing "
+                               f"{missing}); this is a bug in the Lightning integration")
+        checkpoint: dict[str, Any] = {}
+        for name in ENTRY_NAMES:
+            checkpoint.update(self.pending.pop(name))
+        return checkpoint

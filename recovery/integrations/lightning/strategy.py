@@ -1,0 +1,461 @@
+"""``Trainer(strategy="checkpointless")``: DDP that survives rank and node failures in-process.
+
+The strategy drives the worker runtime (:class:`recovery.runtime.Checkpointless`) from
+inside Lightning's own loop; the script changes nothing but the strategy name:
+
+- **Process groups.** The runtime creates the training process group of the current
+  generation (instead of ``init_process_group("env://")``) and rebuilds it after a
+  failure; DDP is re-wrapped on it when ``fit`` is re-entered.
+- **Step boundary.** The training loader is wrapped (``process_dataloader``) so that the
+  moment before each training batch is fetched is observable: the previous optimizer
+  step, validation, scheduler steps and loop bookkeeping are all done, and nothing of the
+  next step has happened. A snapshot is taken there (a Lightning checkpoint dictionary
+  plus RNG streams, see :mod:`.state`), except after validation or at an epoch's first
+  batch, where Lightning's resume would not replay the same hooks.
+- **Failure.** ``backward`` stops waiting as soon as a failure is declared (a DDP comm
+  hook, :mod:`.comm`), Lightning's barriers and broadcasts too. The exception reaches
+  the strategy's launcher (:mod:`.launcher`), which tears the attempt down, lets the
+  runtime recover, and re-enters ``fit`` from the restored state.
+- **Durable tier.** ``ModelCheckpoint`` and ``trainer.save_checkpoint`` go through
+  :class:`~.checkpoint_io.CheckpointlessCheckpointIO` (async, every rank, any fsspec URL);
+  ``ckpt_path`` may name such a checkpoint, a ``persistence.path`` root, or
+  ``"checkpointless://latest"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+from recovery import process_groups, protocol
+from recovery.env import WorkerEnv
+from recovery.integrations.lightning.checkpoint_io import (
+    LATEST,
+    MEMORY,
+    CheckpointlessCheckpointIO,
+    is_durable,
+    load_durable,
+    newest_durable,
+)
+from recovery.integrations.lightning.comm import FailureAwareHook, allreduce_mean, ordered_mean
+from recovery.integrations.lightning.data import ResumableLoader
+from recovery.integrations.lightning.launcher import CheckpointlessLauncher
+from recovery.integrations.lightning.state import LightningState
+from recovery.settings import RuntimeSettings
+
+log = logging.getLogger("checkpointless.lightning")
+
+_DEFERRED_RNG = ("fetch", "train_start", "end")
+MODES_KEY = "checkpointless_module_modes"
+
+
+def settings_from(recipe: str | os.PathLike | None, overrides: Sequence[str]) -> RuntimeSettings:
+    """The runtime settings of a recipe file plus ``key=value`` overrides, validated.
+
+    The recipe schema and its validation live with the launcher (``launcher.config``);
+    this is the one place the integration reads them, for scripts run without
+    ``checkpointless run``.
+    """
+    from launcher.config import config_to_json, load_config
+
+    return RuntimeSettings.from_json(config_to_json(load_config(recipe, list(overrides))))
+
+
+class CheckpointlessStrategy(DDPStrategy):
+    """DDP with in-process recovery; see the module docstring.
+
+    Args:
+        recipe: a YAML recipe (its ``checkpointless:`` block) used when the script runs
+            without ``checkpointless run``; under the launcher the job's configuration
+            (``--recipe``, overrides) applies.
+        overrides: ``key=value`` settings on top of ``recipe``.
+        settings: ready-made runtime settings instead of a recipe.
+        checkpoint_io: defaults to :class:`CheckpointlessCheckpointIO` (the durable tier).
+        deterministic: average gradients in rank order (:func:`.comm.ordered_mean`), so a
+            recovered run ends bit-identical to one without failures at any world size;
+            ``False`` uses DDP's ring all-reduce (less traffic; last-bit differences
+            after a recovery with three or more ranks).
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
+            (``find_unused_parameters``, ``ddp_comm_hook``, ``timeout``, ...).
+    """
+
+    strategy_name = "checkpointless"
+
+    def __init__(
+        self,
+        recipe: str | os.PathLike | None = None,
+        overrides: Sequence[str] = (),
+        settings: RuntimeSettings | None = None,
+        checkpoint_io: Any = None,
+        deterministic: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(checkpoint_io=checkpoint_io or CheckpointlessCheckpointIO(), **kwargs)
+        if isinstance(overrides, str):
+            overrides = [overrides]
+        self._recipe, self._overrides = recipe, tuple(overrides)
+        self._given_settings = settings
+        self._settings: RuntimeSettings | None = None
+        self.deterministic = deterministic
+        if protocol.ENV_CONFIG not in os.environ and settings is None and (recipe or overrides):
+            self._given_settings = settings_from(recipe, self._overrides)  # fail early
+        self.lstate = LightningState()
+        self.session: Any = None  # recovery.runtime.Checkpointless, once the job is joined
+        self.finished = False
+        self.abandoning = False
+        self._started = False
+        self._restored = False
+        self._from_memory = False
+        self._initial_done = False
+        self._loaded_loops: Any = None
+        self._snap_step = -1
+        self._step_at_fetch: int | None = None
+        self._val_ran = False
+        self._hooks: list[FailureAwareHook] = []
+        self._loaders: list[ResumableLoader] = []
+
+    # -- configuration -----------------------------------------------------------------
+    @property
+    def settings(self) -> RuntimeSettings:
+        """The launcher's configuration under ``checkpointless run``, else the strategy's."""
+        if self._settings is None:
+            env_json = os.environ.get(protocol.ENV_CONFIG)
+            if env_json:
+                if self._recipe or self._overrides or self._given_settings is not None:
+                    log.warning("running under checkpointless run: the job's configuration "
+                                "applies, not the strategy's recipe/overrides/settings")
+                self._settings = RuntimeSettings.from_json(env_json)
+            else:
+                self._settings = self._given_settings or RuntimeSettings()
+        return self._settings
+
+    def _configure_launcher(self) -> None:
+        self._launcher = CheckpointlessLauncher(self)
+
+    # -- joining the job ---------------------------------------------------------------
+    def join_job(self) -> Any:
+        """Connect to the job and take this rank's place in the current generation.
+
+        A replacement (or any process started after a failure) receives the state of
+        the newest committed step here, before Lightning builds anything.
+        """
+        from recovery.runtime import Checkpointless
+
+        if self.session is None:
+            self.set_world_ranks()
+            env = WorkerEnv.from_environ()
+            if (env.world_size, env.rank) != (self.world_size, self.global_rank):
+                from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+                raise MisconfigurationException(
+                    f"strategy='checkpointless': the Trainer describes rank {self.global_rank} "
+                    f"of {self.world_size} (devices x num_nodes), but this process is rank "
+                    f"{env.rank} of {env.world_size} (RANK/WORLD_SIZE). Start one process per "
+                    "device with `checkpointless run` and set Trainer(devices=, num_nodes=) "
+                    "to match --nproc-per-node and --nnodes")
+            self.session = Checkpointless(
+                settings=self.settings, backend=self._get_process_group_backend(), env=env,
+                state=self.lstate.registry, start=False,
+            )
+            if self.lightning_module is not None:
+                self.session.faults.install(self.lightning_module, None)
+        if not self._started:
+            self._started = True
+            self.session.start(initial_snapshot=False)
+            self._restored = self.session.restored_step is not None
+            if self._restored:
+                self._snap_step = int(self.session.restored_step)
+            if isinstance(self.checkpoint_io, CheckpointlessCheckpointIO):
+                self.checkpoint_io.set_world(self.global_rank, self.world_size,
+                                             run_id=self.session.env.job_id)
+        return self.session
+
+    @property
+    def has_restored_state(self) -> bool:
+        return self._restored and self.lstate.has_pending
+
+    @property
+    def memory_ckpt_path(self) -> str:
+        return MEMORY
+
+    def recover(self, exc: BaseException) -> int:
+        """Recover from a failed ``fit`` attempt; the restored state waits for Lightning."""
+        self._restored = False
+        step = self.session.recover(exc)
+        self._restored = True
+        self._snap_step = step
+        self._step_at_fetch = None
+        return step
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        self.join_job()
+        if not dist.is_initialized():  # pragma: no cover - join_job builds it
+            raise RuntimeError("checkpointless: no training process group after joining")
+
+    # -- DDP -----------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.session is not None and self.session.faults:
+            for optimizer in self.optimizers:  # new objects on every (re-)entry of fit
+                self.session.faults.install(None, optimizer)
+
+    def configure_ddp(self) -> None:
+        self.model = self._setup_model(self.model)
+        inner = None
+        if self._ddp_comm_hook is not None:
+            inner = self._ddp_comm_hook
+            if self._ddp_comm_wrapper is not None:
+                inner = self._ddp_comm_wrapper(inner)
+        if inner is None:
+            inner = ordered_mean if self.deterministic else allreduce_mean
+        hook = FailureAwareHook(lambda: self.session.watchdog.failure_pending, inner)
+        self.model.register_comm_hook(self._ddp_comm_state, hook)
+        self._hooks.append(hook)
+
+    def teardown(self) -> None:
+        io = self.checkpoint_io
+        if self.abandoning:
+            hold = self.settings.recovery.collective_timeout_s + 10
+            if isinstance(self.model, DistributedDataParallel):
+                # Its reducer may still reference work on the failed generation's group.
+                process_groups.keep(self.model, hold)
+            for hook in self._hooks:
+                hook.close()
+            self._hooks.clear()
+            self._loaders.clear()
+            if isinstance(io, CheckpointlessCheckpointIO):
+                io.flush_on_teardown = False  # never wait for storage on the recovery path
+        try:
+            super().teardown()
+        finally:
+            if isinstance(io, CheckpointlessCheckpointIO):
+                io.flush_on_teardown = True
+
+    # -- failure-aware collectives (Lightning's barriers, broadcasts, metric syncs) -------
+    def _wait(self, work: Any) -> None:
+        if self.session is not None:
+            self.session.wait(work)
+        else:
+            work.wait()
+
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        self._wait(dist.barrier(async_op=True))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        mine = dist.get_rank() == src
+        data = pickle.dumps(obj) if mine else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._wait(dist.broadcast(size, src, async_op=True))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        if buf.numel():
+            self._wait(dist.broadcast(buf, src, async_op=True))
+        return obj if mine else pickle.loads(buf.numpy().tobytes())
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or group is not None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        divide = False
+        if isinstance(reduce_op, str):
+            name = "avg" if reduce_op.lower() in ("mean", "avg") else reduce_op.lower()
+            if name == "avg":
+                op, divide = dist.ReduceOp.SUM, True
+            else:
+                op = getattr(dist.ReduceOp, name.upper())
+        else:
+            op = reduce_op if reduce_op is not None else dist.ReduceOp.SUM
+        self._wait(dist.all_reduce(tensor, op=op, async_op=True))
+        if not divide:
+            return tensor
+        world = dist.get_world_size()
+        if not torch.is_floating_point(tensor):
+            return tensor.copy_(tensor / world)
+        return tensor.div_(world)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
+        if isinstance(self.checkpoint_io, CheckpointlessCheckpointIO):
+            # Every rank saves its own part: per-rank RNG streams and data positions.
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath,
+                                               storage_options=storage_options)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = str(checkpoint_path)
+        if path == MEMORY:
+            self._restored, self._from_memory = False, True
+            checkpoint = self.lstate.take_checkpoint()
+            self._restore_modes(checkpoint)
+            return checkpoint
+        self._from_memory = False
+        opts = getattr(self.checkpoint_io, "storage_options", None) or {}
+        if path == LATEST:
+            path = self._latest_durable(opts)
+        if is_durable(path, opts):
+            checkpoint, state = load_durable(path, self.global_rank, self.world_size, opts)
+            checkpoint.pop("__checkpointless_rng__", None)
+            pending = state.rng.pending
+            if pending is not None and pending.get("at") in _DEFERRED_RNG:
+                self.lstate.rng.pending = pending  # a persisted snapshot: exact resume
+            else:
+                state.rng.apply_now()
+        else:
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            io = self.checkpoint_io
+            if isinstance(io, CheckpointlessCheckpointIO):
+                io = TorchCheckpointIO()  # a plain Lightning checkpoint file
+            kwargs = {"weights_only": weights_only} if weights_only is not None else {}
+            checkpoint = io.load_checkpoint(path, **kwargs)
+        self._restore_modes(checkpoint)
+        self._loaded_loops = checkpoint.get("loops")
+        return checkpoint
+
+    def _latest_durable(self, opts: dict) -> str:
+        roots = []
+        persist = self.settings.persistence.path
+        if persist:
+            roots.append(persist)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for cb in getattr(trainer, "checkpoint_callbacks", []) or []:
+            dirpath = getattr(cb, "dirpath", None)
+            if dirpath:
+                roots.append(str(dirpath))
+        found = newest_durable(roots, opts)
+        if found is None:
+            raise FileNotFoundError(
+                f"ckpt_path={LATEST!r}: no valid durable checkpoint under "
+                f"{roots or 'persistence.path or a ModelCheckpoint dirpath (neither is set)'}")
+        return found
+
+    # -- data and the step boundary --------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if (trainer is None or not trainer.training or trainer.sanity_checking
+                or isinstance(dataloader, ResumableLoader)):
+            return dataloader
+        wrapped = ResumableLoader(dataloader, self)
+        self._loaders.append(wrapped)
+        return wrapped
+
+    def current_epoch(self) -> int:
+        return self.lightning_module.trainer.current_epoch
+
+    def after_iterator_created(self) -> None:
+        self.lstate.rng.apply_pending("fetch")
+
+    def before_fetch(self, first: bool) -> None:
+        """The step boundary: called before every training batch is fetched."""
+        session = self.session
+        trainer = self.lightning_module.trainer
+        if session is None or trainer.sanity_checking or not trainer.training:
+            return
+        g = trainer.global_step
+        stepped = self._step_at_fetch is not None and g != self._step_at_fetch
+        boundary = stepped and not first and not self._val_ran
+        self._val_ran = False
+        self._step_at_fetch = g
+        if stepped:
+            every = session.settings.replication.every_n_steps
+            due = boundary and g > self._snap_step and g % every == 0
+            self._end_step(trainer, g, due, "fetch")
+        session.begin_step(g + 1)
+
+    def _end_step(self, trainer: Any, step: int, snapshot: bool, at: str) -> None:
+        if snapshot:
+            self.lstate.refresh(lambda: self._dump(trainer), at=at)
+        try:
+            self.session.end_step(step, snapshot=snapshot)
+        finally:
+            self.lstate.release()
+        if snapshot:
+            self._snap_step = step
+            for loader in self._loaders:
+                mark = getattr(loader.inner, "mark_committed", None)
+                if callable(mark):
+                    mark()
+
+    @staticmethod
+    def _dump(trainer: Any) -> dict[str, Any]:
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        # Train/eval mode is not state_dict state, and Lightning (2.5+) no longer sets
+        # train mode when fit starts: a failure inside validation would otherwise replay
+        # the next steps in eval mode (no dropout).
+        checkpoint[MODES_KEY] = [m.training for m in trainer.lightning_module.modules()]
+        return checkpoint
+
+    def _restore_modes(self, checkpoint: dict[str, Any]) -> None:
+        modes = checkpoint.pop(MODES_KEY, None)
+        modules = list(self.lightning_module.modules()) if self.lightning_module else []
+        if isinstance(modes, list) and len(modes) == len(modules):
+            for module, training in zip(modules, modes):
+                module.training = bool(training)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        self._val_ran = False
+        self._step_at_fetch = trainer.global_step
+        if self._from_memory:  # re-entered fit from the runtime's restored state
+            self._from_memory = False
+            self.lstate.rng.apply_pending("train_start")
+        elif not self._initial_done:
+            self._commit_initial(trainer)
+        self._initial_done = True
+
+    def _commit_initial(self, trainer: Any) -> None:
+        """The state training starts from is committed before the first step runs."""
+        step = trainer.global_step
+        loaded = self._loaded_loops
+
+        def dump() -> dict[str, Any]:
+            checkpoint = self._dump(trainer)
+            if loaded is not None:  # resumed from ckpt_path: resume that way again
+                checkpoint["loops"] = loaded
+            return checkpoint
+
+        self.lstate.refresh(dump, at="train_start")
+        try:
+            self.session.commit_initial(step)
+        finally:
+            self.lstate.release()
+        self._snap_step = step
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._val_ran = True
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        trainer = self.lightning_module.trainer
+        step = trainer.global_step
+        if self.session is not None and step > self._snap_step:
+            self._end_step(trainer, step, True, "end")  # the final state, committed
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from recovery.integrations.lightning.registration import NAMES
+
+        for name, description in NAMES.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description)
