@@ -8,7 +8,7 @@ fails on any console error, uncaught exception, failed load or request leaving t
 page; then it reads the rendered DOM and checks that the page shows this run's failure,
 recovery and checkpoints, cross-checked against the events file.
 
-Without Chromium the test is skipped, unless ``CHECKPOINTLESS_REQUIRE_BROWSER=1``
+Without Chromium the test is skipped, unless ``TESTS_REQUIRE_BROWSER=1``
 (CI sets it), where a missing browser is a failure.
 """
 
@@ -41,14 +41,14 @@ BROWSER_FLAGS = (
 
 
 def chromium_binary() -> str:
-    """The browser, or skip (fail when CHECKPOINTLESS_REQUIRE_BROWSER=1)."""
+    """The browser, or skip (fail when TESTS_REQUIRE_BROWSER=1)."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         found = shutil.which(name)
         if found:
             return found
     message = "no chromium on PATH (apt-get install -y chromium chromium-driver)"
-    if os.environ.get("CHECKPOINTLESS_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{message}, and CHECKPOINTLESS_REQUIRE_BROWSER=1")
+    if os.environ.get("TESTS_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{message}, and TESTS_REQUIRE_BROWSER=1")
     pytest.skip(message)
 
 
