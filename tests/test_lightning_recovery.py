@@ -64,7 +64,8 @@ def test_worker_sigkill_and_node_loss_end_bit_identical(tmp_path, reference):
         assert len({e["target_step"] for e in recs}) == 1
     first, second = (recs[0]["target_step"] for recs in gens.values())
     assert 1 <= first <= 3 and 6 < second <= 8, (first, second)  # both mid-epoch
-    assert {e["rank"] for e in gens[2] if e["newcomer"]} == {2, 3}
+    # A generation superseded before it completed leaves a gap in the numbers.
+    assert {e["rank"] for e in gens[max(gens)] if e["newcomer"]} == {2, 3}
     assert [(e["node"], e["group"]) for e in job.events("node_takeover")] == [(2, 1)]
     # Every process resumed through Lightning's own restore of the in-memory state.
     assert job.output(200000).count("Restored all states from the checkpoint at "
