@@ -18,7 +18,11 @@ hundred MB. Every figure is measured in the same run on the same bytes:
   sync between the two ranks) with a snapshot every step: the median difference of
   adjacent blocks with and without, so drift cancels; ``overhead_over_copy_cost`` is the added time
   per step divided by ``memcpy_s`` (``*_inline``: the other mode;
-  ``train_step_overhead_replicated``: with k=2 replication to the other process).
+  ``train_step_overhead_replicated``: with k=2 replication to the other process);
+- ``overhead_over_inloop_copy``: a control, the same added time divided by that of a
+  third interleaved block which makes a plain copy of the same tensors into a buffer of
+  the same layout each step (``inloop_copy_over_memcpy``: what that copy costs the loop
+  against the isolated ``memcpy_s``).
 
 Usage: ``python -m benchmarks.bench_snapshot [--quick]``; the last stdout line is JSON.
 """
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from benchmarks._harness import emit, median, progress, run_ranks
 from replication.config import MemoryConfig, ReplicationConfig
+from replication.layout import flatten, tensor_views
 from replication.replicator import Replicator
 from replication.state import TrainingState
 
@@ -180,22 +185,37 @@ def rank_main(args: argparse.Namespace) -> None:
             step += 1
             r.snapshot(step)
             r.wait()
-        diffs, none_t = [], []
+        # The default mode also runs a control block that copies the same bytes with a
+        # plain memcpy each step: what "no more than the copy itself" costs in the loop.
+        block_kinds = ("none", "snapshot", "copy") if kind == "background" else (
+            "none", "snapshot")
+        if kind == "background":  # the same source tensors, into a buffer of the same layout
+            flat = flatten(state.capture())
+            copy_dst = torch.empty(flat.layout.nbytes, dtype=torch.uint8)
+            copy_pairs = (tensor_views(copy_dst, flat.layout), flat.tensors)
+        diffs, copy_diffs, none_t = [], [], []
         for _ in range(args.blocks):
             times = []
-            for with_snap in (False, True):
+            for block in block_kinds:
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.block_steps):
                     train_step(model, opt, batch)
-                    if with_snap:
+                    if block == "snapshot":
                         step += 1
                         r.snapshot(step)
+                    elif block == "copy":
+                        torch._foreach_copy_(*copy_pairs)
                 r.wait()
                 times.append((time.perf_counter() - t0) / args.block_steps)
             none_t.append(times[0])
             diffs.append(times[1] - times[0])  # adjacent blocks: drift cancels
+            if len(times) > 2:
+                copy_diffs.append(times[2] - times[0])
         results[kind] = [median(none_t), median(none_t) + median(diffs)]
+        if copy_diffs:
+            results["copy"] = [median(none_t), median(none_t) + median(copy_diffs)]
+            del copy_dst, copy_pairs, flat
         if r is not rep:
             r.close()
     rep.close()
@@ -204,6 +224,7 @@ def rank_main(args: argparse.Namespace) -> None:
         none_s, snap_s = results["background"]
         bnone_s, bsnap_s = results["inline"]
         rnone_s, rsnap_s = results["replicated"]
+        cnone_s, ccopy_s = results["copy"]
         out = {
             "state_bytes": nbytes,
             "stall_s": median(stalls["background"]),
@@ -219,6 +240,8 @@ def rank_main(args: argparse.Namespace) -> None:
             "step_s_inline": bsnap_s,
             "step_s_replicated_no_snapshot": rnone_s,
             "step_s_replicated": rsnap_s,
+            "step_s_copy_no_snapshot": cnone_s,
+            "step_s_with_copy": ccopy_s,
         }
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -244,8 +267,10 @@ def main() -> None:
     args.layers = args.layers or (4 if q else 8)
     args.reps = args.reps or (11 if q else 31)
     args.save_reps = args.save_reps or (2 if q else 4)
-    args.blocks = args.blocks or (8 if q else 20)
-    args.block_steps = args.block_steps or (2 if q else 4)
+    args.blocks = args.blocks or (6 if q else 20)
+    # Long blocks: each ends by waiting for its last round, which steady training
+    # overlaps with the next step; short blocks would overcharge that tail.
+    args.block_steps = args.block_steps or (4 if q else 6)
     if args.rank >= 0:
         rank_main(args)
         return
@@ -270,6 +295,11 @@ def main() -> None:
         overhead_over_copy_cost_inline=(
             (r["step_s_inline"] - r["step_s_inline_no_snapshot"]) / r["memcpy_s"]
         ),
+        # Control: the same added time over that of a plain copy of the same bytes made
+        # in the training loop (same cache and memory-bandwidth conditions as a snapshot).
+        overhead_over_inloop_copy=added / (r["step_s_with_copy"] - r["step_s_copy_no_snapshot"]),
+        inloop_copy_over_memcpy=(r["step_s_with_copy"] - r["step_s_copy_no_snapshot"])
+        / r["memcpy_s"],
         train_step_overhead_replicated=(
             (r["step_s_replicated"] - r["step_s_replicated_no_snapshot"])
             / r["step_s_replicated_no_snapshot"]
