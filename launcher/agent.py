@@ -50,6 +50,7 @@ from launcher.worker_procs import (
 from recovery import auth, protocol
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
+EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job
 
 
 class JoinError(RuntimeError):
@@ -85,6 +86,8 @@ class Agent:
         self._wake = threading.Event()
         self._seq = itertools.count()
         self._next_peer_check = 0.0
+        self._fence_check = False  # look at this node's group ownership on the next pass
+        self._fenced_out = False  # this node lost its ranks; it never takes any over
 
     # --- entry ----------------------------------------------------------------------
     def run(self) -> int:
@@ -179,7 +182,14 @@ class Agent:
             self.spares.maintain()
             if time.monotonic() >= self._next_peer_check:
                 self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
+                self._fence_check = True
                 self._check_peers(gen)
+            if self._fence_check:
+                self._fence_check = False
+                if (taker := self._taken_over_by()) is not None:
+                    self._fenced(taker)
+                    if not self.args.hosts_store:  # the store host stays, idle, to the end
+                        return EXIT_FENCED
             self._settle_lost_groups()
             if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()
@@ -203,6 +213,8 @@ class Agent:
                 # nothing and must not start a recovery the finished ranks cannot join.
                 self._log(f"rank {w.rank} exited with {sig or code} after training finished")
                 self._record_done(w.rank)
+            elif code == protocol.EXIT_FENCED:  # its node lost its ranks: see _fenced
+                self._fence_check = True
             elif code == protocol.EXIT_FATAL:
                 if protocol.fatal(self.store) is None:
                     protocol.set_fatal(self.store, f"rank {w.rank} exited with EXIT_FATAL "
@@ -232,6 +244,9 @@ class Agent:
     def _on_failure(self, w: Worker, cause: dict[str, Any], detected: float) -> None:
         if self._signal is not None or protocol.fatal(self.store) is not None:
             return  # the job or this node is ending (a Ctrl-C reaches workers too)
+        if self._taken_over_by() is not None:
+            self._fence_check = True  # the rank belongs to another node now: no failure
+            return
         what = describe(cause)
         self._log(what)
         finished = self.done.finished(self.store)
@@ -312,7 +327,8 @@ class Agent:
             owner = rdzv.owner(self.store, g)
             if owner is not None and owner != lost.lost_node:
                 del self.lost_groups[g]  # someone (maybe this agent) took it
-            elif self.group is None and rdzv.take_over(self.store, g, lost.lost_node, self.node):
+            elif (self.group is None and not self._fenced_out
+                  and rdzv.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
             elif time.monotonic() - lost.detected_at > self.rcfg.heartbeat_timeout_s:
@@ -326,12 +342,50 @@ class Agent:
         self._emit("node_takeover", lost_node=lost.lost_node, group=group, ranks=ranks)
         self._log(f"taking over ranks {ranks} of lost node {lost.lost_node}")
         cause = {"kind": "node_lost", "node": lost.lost_node, "group": group, "ranks": ranks}
-        if not self._declare(lost.gen, cause):
+        # A fresh generation, never a dedupe into the one the loss started: a node that
+        # was only slow may have had its workers join that one already. They fence
+        # themselves in the new one (the owner record changed first), which the
+        # replacements started below join.
+        if not self._declare(protocol.current_generation(self.store), cause):
             return
         restart = protocol.recoveries(self.store)
         for local in range(self.args.nproc):
             self._start_rank(group, local, replacement=True, restart_count=restart,
                              detected_at=lost.detected_at)
+
+    # --- fencing --------------------------------------------------------------------
+    def _taken_over_by(self) -> int | None:
+        """The node that took this agent's ranks over, if one did.
+
+        A node is declared lost when its heartbeat is late, which a merely slow node can
+        be (a starved agent on an overloaded host); a spare node then owns its group.
+        """
+        if self.group is None:
+            return None
+        owner = rdzv.owner(self.store, self.group)
+        return owner if owner is not None and owner != self.node else None
+
+    def _fenced(self, taker: int) -> None:
+        """Stop this node's workers and spares: its ranks run on ``taker`` now, so none of
+        its processes may take part (their runtime also refuses to rejoin on its own).
+
+        The other agents count this node as lost for good, so it must never take ranks
+        over again: it leaves the job, or, hosting the job's store, stays idle to the end.
+        """
+        ranks = self._ranks(self.group) if self.group is not None else []
+        self._emit("node_fenced", group=self.group, ranks=ranks, taken_over_by=taker)
+        leaving = "staying idle: it hosts the job's store" if self.args.hosts_store else (
+            f"leaving the job (exit {EXIT_FENCED})")
+        self._log(f"this node was declared lost and node {taker} took ranks {ranks} over; "
+                  f"stopping this node's workers and {leaving}")
+        stop_processes([w.proc for w in self.workers.values()], grace_s=0.0)
+        self.workers.clear()
+        self.group, self._fenced_out = None, True
+        if self.spares is not None:
+            self.spares.size = 0
+        self._stop_local()
+        if not self.args.hosts_store:
+            self._mark_finished()
 
     # --- endings --------------------------------------------------------------------
     def _done(self) -> int:

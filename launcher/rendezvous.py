@@ -387,7 +387,10 @@ class Heartbeat(threading.Thread):
             return  # the main loop notices a dead store on its own next operation
 
     def stop(self) -> None:
+        """Stop beating; wait (briefly) for the thread to close its store connection."""
         self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2.0)
 
 
 @dataclass

@@ -18,3 +18,11 @@ class RecoveryImpossible(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """An exception raised on purpose by the fault-injection hook."""
+
+
+class Fenced(RuntimeError):
+    """This process's node was declared lost and another node took its ranks over.
+
+    The node may only have been slow (a heartbeat starved under load); its processes
+    must leave without a word to the job, which already goes on without them.
+    """

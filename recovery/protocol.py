@@ -51,6 +51,7 @@ ENV_JOB_KEY = signing.ENV_KEY  # the job key (hex) that seals trusted records; n
 
 # Exit codes a worker uses to tell its agent why it stopped.
 EXIT_FATAL = 3  # recovery impossible; the reason is under FATAL_KEY
+EXIT_FENCED = 4  # this rank's node-group was taken over by another node: not a failure
 
 
 def gen_prefix(gen: int) -> str:
@@ -290,6 +291,21 @@ def group_owner_key(group: int) -> str:
     exactly one agent wins whatever generation each claimer happened to observe.
     """
     return f"{PREFIX}/owner/{group}"
+
+
+def group_owner(store: dist.Store, group: int) -> int | None:
+    """The node now owning ``group`` per its sealed owner record; None if unreadable.
+
+    Workers read this to fence themselves: a worker whose node was declared lost (it may
+    only have been slow) must not take part in a generation its replacement joins.
+    """
+    payload = auth.read(store, group_owner_key(group))
+    if payload is None:
+        return None
+    try:
+        return int(json.loads(payload)["node"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def agent_finished_key(node: int) -> str:

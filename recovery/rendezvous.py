@@ -11,6 +11,7 @@ exactly whose and why.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from recovery import auth
-from recovery.errors import RecoveryImpossible
+from recovery.errors import Fenced, RecoveryImpossible
 from recovery.protocol import JoinRecord, join_key
 
 
@@ -46,19 +47,28 @@ def join(
     world_size: int,
     timeout_s: float,
     current_gen: Callable[[], int],
+    fenced: Callable[[], str | None] = lambda: None,
 ) -> dict[int, JoinRecord]:
     """Publish ``record`` (sealed) for ``gen`` and wait until every rank has joined.
 
     Only validly sealed records count (:mod:`recovery.auth`): a forged one reads as "not
     joined yet", a rank whose own record was overwritten or deleted writes it again, and
     a record once verified is kept, so clobbering it afterwards changes nothing.
+
+    ``fenced()`` returns a reason when this process no longer owns its rank (its node
+    was taken over); it is checked before publishing and every ~100 ms while waiting,
+    and raises :class:`Fenced`, so a stale process never stands in for its replacement.
     """
+    if (why := fenced()) is not None:
+        raise Fenced(why)
     own = join_key(gen, record.rank)
     sealed = auth.put(store, own, record.to_json())
     keys = [join_key(gen, r) for r in range(world_size)]
     seen: dict[int, JoinRecord] = {record.rank: record}
     deadline = time.monotonic() + timeout_s
-    while True:
+    for polls in itertools.count(1):
+        if polls % 20 == 0 and (why := fenced()) is not None:
+            raise Fenced(why)
         if store.check(keys):
             for r, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
                 if r == record.rank:

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from recovery import auth, process_groups, protocol
 from recovery.durable_restore import agree_and_read
 from recovery.env import WorkerEnv
-from recovery.errors import FailureDetected, InjectedFault, RecoveryImpossible
+from recovery.errors import FailureDetected, Fenced, InjectedFault, RecoveryImpossible
 from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
 from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
@@ -401,6 +401,8 @@ class Checkpointless:
                 break
             except RecoveryImpossible as exc:
                 self._fatal(str(exc))
+            except Fenced as exc:
+                self._leave_fenced(str(exc))
             except GenerationChanged:
                 self._teardown_generation()
             except Exception as exc:  # a failure during the recovery itself
@@ -438,7 +440,23 @@ class Checkpointless:
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         return join(self.store, gen, record, self.world_size, timeout,
-                    lambda: protocol.current_generation(self.store))
+                    lambda: protocol.current_generation(self.store), self._fenced)
+
+    def _fenced(self) -> str | None:
+        """Why this process no longer owns its rank, or None (see :class:`Fenced`)."""
+        group = self.rank // max(1, self.env.local_world_size)
+        owner = protocol.group_owner(self.store, group)
+        if owner is None or owner == self.env.node:
+            return None
+        return (f"node {self.env.node} was declared lost and node {owner} took its ranks "
+                f"over; rank {self.rank} (pid {os.getpid()}) leaves the job")
+
+    def _leave_fenced(self, reason: str) -> NoReturn:
+        """Exit at once with EXIT_FENCED: the job goes on with this rank's replacement, and
+        tearing down this process's groups could only wait on peers that left them."""
+        self.log.emit("fenced", rank=self.rank, gen=self.gen, reason=reason)
+        print(f"checkpointless: {reason}", file=sys.stderr, flush=True)
+        os._exit(protocol.EXIT_FENCED)
 
     # -- the durable tier ----------------------------------------------------------------
     def _fall_back_to_durable(self, plan: RecoveryPlan, reason: str) -> tuple[RecoveryPlan, int]:

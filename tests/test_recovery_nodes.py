@@ -9,9 +9,16 @@ unrecoverable one must stop with a clear reason instead of hanging.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
+from recovery.protocol import read_events
 from tests.recovery_harness import (
+    TRAIN_ARGS,
     assert_failed_cleanly,
     assert_recovered,
     assert_same_final,
@@ -90,6 +97,56 @@ def test_second_failure_during_recovery(tmp_path, reference):
     assert replaced == [0, 1]
     last = _newest_gen(job.events("recovery"))
     assert last[0]["providers"] == {"0": 2, "1": 3}, "both lost ranks restored from node 1"
+
+
+def _stall_agent_until_taken_over(node: int, from_step: int):
+    """A ``during`` hook: SIGSTOP node ``node``'s agent (only the agent: its workers
+    train on) once rank 0 finished ``from_step``, and SIGCONT it after a spare node took
+    its ranks over, as a starved agent on an overloaded host would be."""
+
+    def during(run_dir: Path) -> None:
+        events = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 90
+        pid = None
+        while time.monotonic() < deadline:
+            found = read_events(events) if events.exists() else []
+            pid = pid or next((e["pid"] for e in found if e.get("event") == "agent_start"
+                               and e.get("node") == node), None)
+            if pid and any(e.get("event") == "step" and e["step"] >= from_step for e in found):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"training never reached step {from_step}")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            while time.monotonic() < deadline:
+                if any(e.get("event") == "node_takeover" for e in read_events(events)):
+                    break
+                time.sleep(0.05)
+            time.sleep(0.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    return during
+
+
+def test_slow_node_taken_over_is_fenced(tmp_path, reference):
+    """Node 1's agent stalls past the heartbeat timeout while its workers train on: a
+    spare node takes ranks 2, 3 over, and when node 1 wakes up, neither it nor its old
+    workers take part again; the job ends bit-identical on the spare node."""
+    job = run_job(tmp_path / "run", nnodes=2, spare_nodes=1, timeout_s=200,
+                  overrides=list(FAST_DETECTION),
+                  script_args=(*TRAIN_ARGS, "--step-sleep", "0.6"),
+                  during=_stall_agent_until_taken_over(1, from_step=3))
+    assert job.returncodes[1] == 4, f"node 1 should leave fenced (exit 4): {job.returncodes}"
+    assert_succeeded(job, except_nodes=(1,))
+    assert_same_final(reference, job)
+    assert [(e["node"], e["group"]) for e in job.events("node_takeover")] == [(2, 1)]
+    fenced = job.events("node_fenced")
+    assert [(e["node"], e["taken_over_by"]) for e in fenced] == [(1, 2)], fenced
+    last = _newest_gen(job.events("recovery"))
+    assert sorted(e["rank"] for e in last if e["newcomer"]) == [2, 3]
+    assert "took ranks [2, 3] over" in job.agents[1].stderr
 
 
 # --- unrecoverable: the job must stop, with a reason, not hang ---------------------------

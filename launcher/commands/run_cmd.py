@@ -88,7 +88,14 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
     from launcher.agent import Agent  # torch comes in here
 
-    return Agent(args, cfg, run_dir).run()
+    code = Agent(args, cfg, run_dir).run()
+    # The agent is done and has said so. Skip interpreter teardown: destroying torch's
+    # C++ store objects while a daemon thread may still be inside one can abort the
+    # process ("terminate called without an active exception", seen as exit -6 after
+    # "job done"), which would turn a finished job into a failed node.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def resolve_config(args: RunArgs) -> CheckpointlessConfig:
