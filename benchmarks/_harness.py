@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,3 +59,40 @@ def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+# --- jobs under `checkpointless run` / torchrun (bench_recovery, bench_lightning) ----------
+def job_env() -> dict[str, str]:
+    """The environment of a launched job: this checkout importable, one torch thread."""
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Exit codes of ``procs`` (each started in its own session); whatever is still
+    running at the deadline is killed with its whole process group."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def step_done_after(out: Path, t_kill: float, step: int, world: int = 2) -> float:
+    """When every rank had completed ``step`` after ``t_kill`` (from progress.jsonl)."""
+    from recovery.protocol import read_events
+
+    times: dict[int, float] = {}
+    for e in read_events(out / "progress.jsonl"):
+        if e.get("step") == step and "event" not in e and e["ts"] > t_kill:
+            times.setdefault(e["rank"], e["ts"])
+    if len(times) < world:
+        raise SystemExit(f"step {step} did not complete on every rank after the kill ({out})")
+    return max(times.values())
+
+
+def digests(out: Path, world: int = 2) -> list[str]:
+    """Each rank's final state digest (``final_rank<r>.json``)."""
+    return [json.loads((out / f"final_rank{r}.json").read_text())["digest"]
+            for r in range(world)]

@@ -18,34 +18,26 @@ stdout line is JSON; ``lightning_recovery_over_restart`` is the headline ratio.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._harness import REPO, emit, free_port, progress
+from benchmarks._harness import (
+    REPO,
+    digests,
+    emit,
+    free_port,
+    job_env,
+    progress,
+    step_done_after,
+    wait_all,
+)
 from recovery.protocol import read_events
 
 SCRIPT = str(REPO / "examples" / "lightning_gpt.py")
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 def run_checkpointless(out: Path, args: list[str], fault: str) -> Path:
@@ -58,11 +50,11 @@ def run_checkpointless(out: Path, args: list[str], fault: str) -> Path:
         common.append(f"recovery.fault={fault}")
     script = [SCRIPT, "--out", str(out), "--progress", str(out / "progress.jsonl"), *args]
     procs = [subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "--node-rank",
-                               str(n), *common, *script], cwd=REPO, env=_env(),
+                               str(n), *common, *script], cwd=REPO, env=job_env(),
                               start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
              for n in (0, 1)]
-    rcs = _wait(procs, 600)
+    rcs = wait_all(procs, 600)
     if any(rcs):
         raise SystemExit(f"checkpointless run failed with exit codes {rcs}; see {run_dir}")
     return run_dir
@@ -73,30 +65,14 @@ def run_torchrun(out: Path, args: list[str], die_at: int, every: int) -> None:
            "2", SCRIPT, "--strategy", "ddp", "--out", str(out), "--progress",
            str(out / "progress.jsonl"), "--ckpt-dir", str(out / "ckpt"), "--ckpt-every",
            str(every), "--resume", "last", "--die-at", str(die_at), *args]
-    first = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
+    first = subprocess.Popen(cmd, cwd=REPO, env=job_env(), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait([first], 600)  # killed by its own rank 1 after step die_at
-    again = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
+    wait_all([first], 600)  # killed by its own rank 1 after step die_at
+    again = subprocess.Popen(cmd, cwd=REPO, env=job_env(), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rcs = _wait([again], 600)
+    rcs = wait_all([again], 600)
     if any(rcs):
         raise SystemExit(f"torchrun restart failed with exit codes {rcs}")
-
-
-def step_done_after(out: Path, t_kill: float, step: int, world: int = 2) -> float:
-    """When every rank had completed ``step`` after ``t_kill``."""
-    times: dict[int, float] = {}
-    for e in read_events(out / "progress.jsonl"):
-        if e.get("step") == step and "event" not in e and e["ts"] > t_kill:
-            times.setdefault(e["rank"], e["ts"])
-    if len(times) < world:
-        raise SystemExit(f"step {step} did not complete on every rank after the kill ({out})")
-    return max(times.values())
-
-
-def digests(out: Path, world: int = 2) -> list[str]:
-    return [json.loads((out / f"final_rank{r}.json").read_text())["digest"]
-            for r in range(world)]
 
 
 def main() -> None:

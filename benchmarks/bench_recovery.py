@@ -16,32 +16,24 @@ rank. The last stdout line is JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._harness import REPO, emit, free_port, progress
+from benchmarks._harness import (
+    REPO,
+    digests,
+    emit,
+    free_port,
+    job_env,
+    progress,
+    step_done_after,
+    wait_all,
+)
 from recovery.protocol import read_events
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: str) -> Path:
@@ -57,11 +49,11 @@ def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: st
               "--out", str(out), *worker_args]
     procs = [
         subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "--node-rank", str(n),
-                          *common, *script], cwd=REPO, env=_env(), start_new_session=True,
+                          *common, *script], cwd=REPO, env=job_env(), start_new_session=True,
                          stdout=subprocess.DEVNULL)
         for n in (0, 1)
     ]
-    rcs = _wait(procs, 600)
+    rcs = wait_all(procs, 600)
     if any(rcs):
         raise SystemExit(f"checkpointless run failed with exit codes {rcs}; see {run_dir}")
     return run_dir
@@ -71,29 +63,14 @@ def run_torchrun(out: Path, worker_args: list[str], die_at: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(REPO / "benchmarks" / "recovery_worker.py"), "--mode", "dcp", "--out",
            str(out), "--die-at", str(die_at), *worker_args]
-    first = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
+    first = subprocess.Popen(cmd, cwd=REPO, env=job_env(), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait([first], 600)  # killed by its own rank 1 at step die_at
-    again = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
+    wait_all([first], 600)  # killed by its own rank 1 at step die_at
+    again = subprocess.Popen(cmd, cwd=REPO, env=job_env(), start_new_session=True,
                              stdout=subprocess.DEVNULL)
-    rcs = _wait([again], 600)
+    rcs = wait_all([again], 600)
     if any(rcs):
         raise SystemExit(f"torchrun restart failed with exit codes {rcs}")
-
-
-def step_done_after(out: Path, t_kill: float, step: int, world: int = 2) -> float:
-    """When every rank had completed ``step`` after ``t_kill``."""
-    times: dict[int, float] = {}
-    for e in read_events(out / "progress.jsonl"):
-        if e.get("step") == step and "event" not in e and e["ts"] > t_kill:
-            times.setdefault(e["rank"], e["ts"])
-    if len(times) < world:
-        raise SystemExit(f"step {step} did not complete on every rank after the kill")
-    return max(times.values())
-
-
-def digests(out: Path, world: int = 2) -> list[str]:
-    return [json.loads((out / f"final_rank{r}.json").read_text())["digest"] for r in range(world)]
 
 
 def recovery_figures(out: Path, run_dir: Path, kill_step: int) -> dict:

@@ -26,6 +26,28 @@ def make_corpus(n_sentences: int = 4000, seed: int = 1234) -> str:
     )
 
 
+class Windows(torch.utils.data.Dataset):
+    """Fixed windows of the generated corpus, for the Lightning and NeMo examples: sample
+    i is the same in every process, so a replacement reads exactly what it replaces."""
+
+    def __init__(self, n: int, seq_len: int, seed: int) -> None:
+        text = make_corpus()
+        vocab = sorted(set(text))
+        self.vocab_size = len(vocab)
+        idx = {c: i for i, c in enumerate(vocab)}
+        self.data = torch.tensor([idx[c] for c in text], dtype=torch.long)
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, len(self.data) - seq_len - 1, (n,), generator=g).tolist()
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.starts[i]
+        return self.data[s : s + self.seq_len], self.data[s + 1 : s + 1 + self.seq_len]
+
+
 class CharData:
     """Deterministic batches: the batch for (step, rank) depends on nothing else.
 

@@ -27,36 +27,17 @@ from nemo.core import ModelPT
 from nemo.core.config import hydra_runner
 from nemo.utils.exp_manager import exp_manager
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 try:  # run as `-m examples.nemo_gpt`
-    from examples.gpt import TinyGPT, loss_fn, lr_lambda, make_corpus, state_digest
+    from examples.gpt import TinyGPT, Windows, loss_fn, lr_lambda, state_digest
 except ImportError:  # run as a script path: examples/ is sys.path[0]
-    from gpt import TinyGPT, loss_fn, lr_lambda, make_corpus, state_digest
+    from gpt import TinyGPT, Windows, loss_fn, lr_lambda, state_digest
 
 if "CHECKPOINTLESS_INTERNAL_STORE" not in os.environ:  # the launcher registers it itself
     import recovery.integrations.lightning  # noqa: F401
 
 
-class Windows(Dataset):
-    """Fixed windows of a generated corpus: sample i is the same in every process."""
-
-    def __init__(self, n: int, seq_len: int, seed: int) -> None:
-        text = make_corpus()
-        vocab = sorted(set(text))
-        self.vocab_size = len(vocab)
-        idx = {c: i for i, c in enumerate(vocab)}
-        self.data = torch.tensor([idx[c] for c in text], dtype=torch.long)
-        g = torch.Generator().manual_seed(seed)
-        self.starts = torch.randint(0, len(self.data) - seq_len - 1, (n,), generator=g).tolist()
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.starts[i]
-        return self.data[s : s + self.seq_len], self.data[s + 1 : s + 1 + self.seq_len]
 
 
 class NemoGPT(ModelPT):
