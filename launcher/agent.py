@@ -51,6 +51,10 @@ from recovery import auth, protocol
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job
+#: How many heartbeat timeouts a lost group waits for a spare node before the job stops.
+#: A spare node notices the loss on its own clock, one timeout after it last saw the
+#: node alive, and one that just started gives every peer a full timeout of grace.
+TAKEOVER_PATIENCE = 2.0
 
 
 class JoinError(RuntimeError):
@@ -331,7 +335,8 @@ class Agent:
                   and rdzv.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
-            elif time.monotonic() - lost.detected_at > self.rcfg.heartbeat_timeout_s:
+            elif (time.monotonic() - lost.detected_at
+                  > TAKEOVER_PATIENCE * self.rcfg.heartbeat_timeout_s):
                 del self.lost_groups[g]
                 protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
                                    f"{self._ranks(g)}) and no spare node took them over")

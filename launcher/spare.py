@@ -17,8 +17,10 @@ exception prints its traceback and exits 1, as Python itself does.
 ``python -m launcher.spare --run [-m] SCRIPT ARGS`` is the bootstrap of a *fresh* worker:
 the same hooks and the same way of running the script, without warm-up or waiting.
 
-A spare prints nothing until assigned. EOF on stdin (the agent went away or is
-shutting the pool down) makes it exit 0 quietly, so spares never outlive their agent.
+A spare warms up and waits at a lower CPU priority, back to the job's own the moment
+its assignment arrives (:class:`WarmUpPriority`). A spare prints nothing until
+assigned. EOF on stdin (the agent went away or is shutting the pool down) makes it exit
+0 quietly, so spares never outlive their agent.
 
 Caveat: variables read only at import time (``CUDA_VISIBLE_DEVICES`` before CUDA
 initialises is fine; anything consumed by ``import torch`` itself is not) come from
@@ -31,10 +33,13 @@ import contextlib
 import importlib
 import json
 import os
+import resource
 import runpy
 import sys
 import threading
 import warnings
+
+SPARE_NICE = 10  # added to the nice value while warming up and waiting (see WarmUpPriority)
 
 #: Imported before waiting; failures are ignored (a spare that cannot warm a package
 #: still saves the interpreter start, and the script will report the real error).
@@ -156,6 +161,85 @@ def detach_stdin() -> None:
     os.close(fd)
 
 
+class WarmUpPriority:
+    """A lower CPU priority (nice +10) while the spare warms up and waits.
+
+    A spare's ``import torch`` and warm-up step cost seconds of CPU, and spares start
+    with the job and again after every replacement, when the host is busiest. Waiting
+    is background work, so it should yield to training. But once assigned, the spare
+    is a training rank and must run at the job's priority again. Raising a priority
+    needs ``CAP_SYS_NICE`` or a high enough ``RLIMIT_NICE``. Without one, the spare
+    keeps its priority: a slow warm-up is better than a slow rank.
+
+    On Linux the nice value is per thread, and threads inherit it (torch's intra-op pool
+    starts during the warm-up step), so :meth:`restore` resets every thread.
+    """
+
+    def __init__(self, nice: int = SPARE_NICE) -> None:
+        self.nice = nice
+        self.orig = os.getpriority(os.PRIO_PROCESS, 0)
+        self.active = False
+
+    def can_restore(self) -> bool:
+        if os.geteuid() == 0:
+            return True
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+        # RLIMIT_NICE lets a thread lower its nice value down to 20 - limit.
+        return soft == resource.RLIM_INFINITY or 20 - self.orig <= soft
+
+    def lower(self) -> None:
+        if self.nice <= 0 or not self.can_restore():
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, min(19, self.orig + self.nice))
+            self.active = True
+        except OSError:
+            pass
+
+    def restore(self) -> None:
+        """Every thread back to the original priority. Called by the assignment watcher
+        and again by the main thread once warm-up has ended, for threads started in
+        between."""
+        if not self.active:
+            return
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            tids = [0]
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, self.orig)
+
+
+class _AssignmentWatch:
+    """Reads the assignment on its own thread while the main thread warms up. It
+    restores the priority the moment the line arrives, so a spare that is taken while
+    still importing torch finishes at the job's priority."""
+
+    def __init__(self, priority: WarmUpPriority) -> None:
+        self._priority = priority
+        self._done = threading.Event()
+        self._value: dict | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._read, daemon=True, name="spare-assignment").start()
+
+    def _read(self) -> None:
+        try:
+            self._value = wait_for_assignment()
+        except BaseException as exc:  # handed to the main thread
+            self._error = exc
+        finally:
+            self._priority.restore()
+            self._done.set()
+
+    def result(self) -> dict | None:
+        while not self._done.wait(0.5):  # slices: Ctrl-C must reach the main thread
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def run_assigned(assignment: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     argv = [str(a) for a in assignment["argv"]]
@@ -172,16 +256,20 @@ def main() -> int:
         run_fresh(sys.argv[2:])
         return 0
     stop = threading.Event()
+    priority = WarmUpPriority()
+    priority.lower()
+    incoming = _AssignmentWatch(priority)
     try:
         install_worker_hooks()
         warm_up()
         threading.Thread(target=warm_job_modules, args=(stop,), daemon=True,
                          name="spare-warm").start()
-        assignment = wait_for_assignment()
+        assignment = incoming.result()
     except KeyboardInterrupt:
         return 130
     finally:
         stop.set()
+        priority.restore()
     if assignment is None:
         return 0
     detach_stdin()
