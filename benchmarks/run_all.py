@@ -45,6 +45,10 @@ BENCHES = {
         "accept": {"lightning_recovery_over_restart": ("<=", 0.2),
                    "bit_identical": ("==", True)},
     },
+    "bench_goodput": {
+        "title": "Chaos soak: goodput under random failures (issue 7)",
+        "accept": {"goodput_over_bound": (">=", 0.9), "bit_identical": ("==", True)},
+    },
     "bench_dataloader_cache": {
         "title": "Data loader cache (issue 5)",
         "accept": {
@@ -62,9 +66,9 @@ def _ok(value, op: str, bound) -> bool:
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items())
-    return str(v)
+    text = ", ".join(f"{k} {_fmt(x)}" for k, x in v.items()) if isinstance(v, dict) else str(v)
+    # Long values (a schedule, the incident log) stay whole in latest.json.
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def render(results: dict, quick: bool) -> str:

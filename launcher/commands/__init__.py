@@ -15,6 +15,7 @@ from types import ModuleType
 #: ``report`` here as they land.
 COMMAND_MODULES: tuple[str, ...] = ("launcher.commands.config_cmd", "launcher.commands.run_cmd")
 COMMAND_MODULES += ("launcher.commands.ckpt_cmd",)
+COMMAND_MODULES += ("launcher.commands.chaos_cmd",)
 COMMAND_MODULES += ("launcher.commands.report_cmd",)
 
 
