@@ -35,10 +35,15 @@ $(NEMO_STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m examples.demo
 
+# pytest writes its JUnit report only when the session ends; a missing report means the
+# run died part-way (say, something called os._exit) even if the exit status was 0.
 test: setup setup-nemo
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
-	$(NEMO_PY) -m pytest -q tests/nemo_toolkit
+	rm -f build/pytest-main.xml build/pytest-nemo.xml
+	$(PY) -m pytest -q --junitxml=build/pytest-main.xml
+	test -s build/pytest-main.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
+	$(NEMO_PY) -m pytest -q tests/nemo_toolkit --junitxml=build/pytest-nemo.xml
+	test -s build/pytest-nemo.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
 
 test-nemo: setup-nemo
 	$(NEMO_PY) -m pytest -q tests/nemo_toolkit

@@ -9,8 +9,10 @@ bug still shows its traceback, because hiding it would cost more than it saves.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from launcher.commands import load_commands
 from launcher.config import ConfigError
@@ -37,18 +39,40 @@ def error(message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return _main(argv)[0]
+
+
+def _main(argv: Sequence[str] | None) -> tuple[int, bool]:
+    """(exit status, whether the process should end without interpreter teardown)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2): return, do not exit
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return (exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)), False
     try:
-        return int(args.handler(args))
+        return int(args.handler(args)), bool(getattr(args, "hard_exit", False))
     except ConfigError as exc:
-        return error(str(exc))
+        return error(str(exc)), False
     except KeyboardInterrupt:
-        return 130
+        return 130, False
+
+
+def entry() -> NoReturn:
+    """The program (console script ``checkpointless``, ``python -m launcher.cli``).
+
+    After ``run``, the agent has finished and said so; the process then ends without
+    interpreter teardown. Destroying torch's C++ store objects while a daemon thread may
+    still be inside one can abort the process ("terminate called without an active
+    exception", seen as exit -6 after "job done"), which would turn a finished job into
+    a failed node. Only here, never in :func:`main`, which tests call in-process.
+    """
+    code, hard = _main(None)
+    if hard:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

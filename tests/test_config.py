@@ -634,3 +634,13 @@ def test_non_finite_floats_are_refused_everywhere(tmp_path):
     with pytest.raises(ConfigError, match="not a finite number"):
         load_config(recipe, env={})
     assert math.isfinite(load_config(env={}).replication.timeout_s)
+
+
+def test_lone_surrogates_are_refused_by_name():
+    """YAML and JSON escapes can spell lone surrogates, which no path can hold and which
+    a JSON round trip would turn into another string (hypothesis found this)."""
+    for override in ('run_dir="\\uD800\\uDC00"',
+                     'persistence.storage_options={"key": "\\ud800"}'):
+        with pytest.raises(ConfigError, match="lone surrogate") as info:
+            load_config(None, [override], env={})
+        assert override.split("=")[0] in str(info.value)

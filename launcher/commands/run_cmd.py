@@ -89,13 +89,10 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from launcher.agent import Agent  # torch comes in here
 
     code = Agent(args, cfg, run_dir).run()
-    # The agent is done and has said so. Skip interpreter teardown: destroying torch's
-    # C++ store objects while a daemon thread may still be inside one can abort the
-    # process ("terminate called without an active exception", seen as exit -6 after
-    # "job done"), which would turn a finished job into a failed node.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # The program's entry point (launcher.cli.entry) ends an agent's process without
+    # interpreter teardown: see HARD_EXIT there. Callers of main() in-process are unaffected.
+    ns.hard_exit = True
+    return code
 
 
 def resolve_config(args: RunArgs) -> CheckpointlessConfig:

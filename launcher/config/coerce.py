@@ -92,6 +92,8 @@ def coerce(spec: FieldSpec, value: Any, *, from_text: bool = False) -> Any:
 
     if spec.kind == "str":
         result = _to_str(spec, value, from_text, fail)
+        if isinstance(result, str) and not _is_text(result):
+            raise fail("not valid Unicode text: it holds a lone surrogate such as \\ud800")
     elif value is None:
         if spec.kind == "dict":
             return {}  # an empty YAML section (``storage_options:``) means "no options"
@@ -102,6 +104,8 @@ def coerce(spec: FieldSpec, value: Any, *, from_text: bool = False) -> Any:
         result = _to_bool(value, fail)
     elif spec.kind == "dict":
         result = _to_dict(value, fail)
+        if not _all_text(result):
+            raise fail("not valid Unicode text: it holds a lone surrogate such as \\ud800")
     else:
         result = _to_number(spec.kind, value, fail)
     if result is None:
@@ -111,6 +115,27 @@ def coerce(spec: FieldSpec, value: Any, *, from_text: bool = False) -> Any:
     if (spec.min is not None and result < spec.min) or (spec.max is not None and result > spec.max):
         raise fail()
     return result
+
+
+def _is_text(value: str) -> bool:
+    """Encodable as UTF-8: no lone surrogates (YAML and JSON escapes can make them),
+    which no path, URL or name can hold and which would not survive a JSON round trip."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _all_text(value: Any) -> bool:
+    """:func:`_is_text` for every string in a nested dict or list."""
+    if isinstance(value, str):
+        return _is_text(value)
+    if isinstance(value, dict):
+        return all(_all_text(k) and _all_text(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(_all_text(v) for v in value)
+    return True
 
 
 def _to_str(spec: FieldSpec, value: Any, from_text: bool, fail) -> str | None:
