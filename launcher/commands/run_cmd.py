@@ -89,8 +89,8 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from launcher.agent import Agent  # torch comes in here
 
     code = Agent(args, cfg, run_dir).run()
-    # The program's entry point (launcher.cli.entry) ends an agent's process without
-    # interpreter teardown: see HARD_EXIT there. Callers of main() in-process are unaffected.
+    # Asks the program's entry point (launcher.cli.entry, which says why) to end this
+    # process without interpreter teardown; callers of main() in-process are unaffected.
     ns.hard_exit = True
     return code
 
