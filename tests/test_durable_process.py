@@ -98,3 +98,27 @@ def test_a_helper_that_cannot_start_falls_back_to_a_thread(tmp_path, monkeypatch
         assert "failed to start" in caplog.text
         assert persist(writer, engine, 2).status == "ok"
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]
+
+
+def test_helper_leaves_quietly_when_its_training_process_is_gone(tmp_path):
+    """A rank SIGKILLed while its helper still imports torch: the helper's "ready" meets
+    a closed socket. It must exit 0 without a traceback on the job's console."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replication.durable.worker", str(child.fileno())],
+        pass_fds=[child.fileno()], stderr=subprocess.PIPE, cwd=repo,
+        env=dict(os.environ, PYTHONPATH=repo))
+    child.close()
+    conn = Connection(parent.detach())
+    conn.send(("init", dict(path=str(tmp_path / "durable"), storage_options={}, rank=0,
+                            world_size=1, run_id="gone", keep_last=2)))
+    conn.close()  # the training process is gone before the helper is ready
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()[-2000:]

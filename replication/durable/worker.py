@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         serve(conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the training process went away (a SIGKILLed rank): nothing to report
     except BaseException:
         import traceback
 
