@@ -40,13 +40,32 @@ def rejected():
     signing.install(None)
 
 
+class _Landed:
+    """A store client whose ``set`` has landed when it returns.
+
+    c10d's SET gets no reply, so a write on one socket may reach the server after an
+    operation sent later on another socket (seen under load: a forger's value arriving
+    after our compare-and-set). A round trip on the same socket orders them.
+    """
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def set(self, key, value) -> None:
+        self._store.set(key, value)
+        self._store.check([key])
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
 @pytest.fixture
 def stores():
     """The store server, and two more clients: one for us, one for the forger."""
     port = free_port()
     master = tcp_store(port, is_master=True, timeout_s=30)
-    return master, tcp_store(port, is_master=False, timeout_s=30), tcp_store(
-        port, is_master=False, timeout_s=30)
+    return master, tcp_store(port, is_master=False, timeout_s=30), _Landed(tcp_store(
+        port, is_master=False, timeout_s=30))
 
 
 def forged(key: str, payload: str) -> bytes:
