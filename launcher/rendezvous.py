@@ -234,16 +234,11 @@ class OwnerRecord:
 _owners_seen: dict[int, OwnerRecord] = {}
 
 
-def _owner_payload(node: int, epoch: int) -> str:
-    return json.dumps({"node": node, "epoch": epoch})
-
-
 def _parse_owner(group: int, raw: bytes | None) -> OwnerRecord | None:
     payload = auth.open_value(protocol.group_owner_key(group), raw)
     if payload is None or raw is None:
         return None
-    d = json.loads(payload)
-    rec = OwnerRecord(int(d["node"]), int(d["epoch"]), bytes(raw))
+    rec = OwnerRecord(*protocol.parse_owner_payload(payload), bytes(raw))
     known = _owners_seen.get(group)
     if known is not None and rec.epoch < known.epoch:
         auth.report(protocol.group_owner_key(group), rec.raw,
@@ -256,13 +251,13 @@ def _parse_owner(group: int, raw: bytes | None) -> OwnerRecord | None:
 def own_group(store: dist.Store, group: int, node: int) -> bool:
     """Claim group ``group`` at launch; False if some agent already owns it."""
     key = protocol.group_owner_key(group)
-    _, payload = auth.claim(store, key, _owner_payload(node, 0))
-    d = json.loads(payload)
-    if int(d["node"]) != node:
+    _, payload = auth.claim(store, key, protocol.owner_payload(node, 0))
+    owner_node, epoch = protocol.parse_owner_payload(payload)
+    if owner_node != node:
         return False
     # Seals are deterministic: this is exactly the value in the store.
     sealed = signing.process_signer().seal(key, payload)
-    _owners_seen[group] = OwnerRecord(node, int(d["epoch"]), sealed)
+    _owners_seen[group] = OwnerRecord(node, epoch, sealed)
     return True
 
 
@@ -280,7 +275,7 @@ def take_over(store: dist.Store, group: int, lost: int, node: int) -> bool:
         rec = _owners_seen.get(group)
     if rec is None or rec.node != lost:
         return False
-    payload = _owner_payload(node, rec.epoch + 1)
+    payload = protocol.owner_payload(node, rec.epoch + 1)
     if not auth.replace(store, key, raw or b"", payload):
         return False
     _parse_owner(group, signing.process_signer().seal(key, payload))

@@ -293,6 +293,21 @@ def group_owner_key(group: int) -> str:
     return f"{PREFIX}/owner/{group}"
 
 
+def owner_payload(node: int, epoch: int) -> str:
+    """The (to be sealed) payload of a group's owner record: the node and the takeover
+    epoch, which only grows."""
+    return json.dumps({"node": node, "epoch": epoch})
+
+
+def parse_owner_payload(payload: str | bytes) -> tuple[int, int]:
+    """``(node, epoch)`` of an owner record's payload; ValueError if it is malformed."""
+    try:
+        d = json.loads(payload)
+        return int(d["node"]), int(d["epoch"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"malformed owner record {payload!r:.80}") from exc
+
+
 def group_owner(store: dist.Store, group: int) -> int | None:
     """The node now owning ``group`` per its sealed owner record; None if unreadable.
 
@@ -303,8 +318,8 @@ def group_owner(store: dist.Store, group: int) -> int | None:
     if payload is None:
         return None
     try:
-        return int(json.loads(payload)["node"])
-    except (ValueError, KeyError, TypeError):
+        return parse_owner_payload(payload)[0]
+    except ValueError:
         return None
 
 
