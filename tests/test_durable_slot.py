@@ -117,15 +117,10 @@ def test_zero_copy_save_persists_the_slot_bytes_without_staging(tmp_path):
         bad_buf[100] ^= 1
         bad = writer.submit(bad_meta, bad_buf).result(60)
         assert bad.status == "failed" and "verification" in bad.error, bad
-    assert [c.step for c in list_checkpoints(str(tmp_path))] == [1, 2]
-    sdir = tmp_path / "step_3"  # no done file, no data left behind
-    assert not sdir.exists() or not any(sdir.iterdir()), list(sdir.iterdir())
+    _assert_only_committed(tmp_path, [1, 2], failed_step=3, kept=kept)
     got_meta, got = read_snapshot(str(tmp_path / "step_2"))
     assert got_meta.digests == meta.digests
     assert torch.equal(got, want)
-    fresh_state, fresh = make_state(seed=7)
-    assert load(str(tmp_path), fresh_state).step == 2
-    assert_tree_equal(_model_state(fresh), kept)
 
 
 def test_capture_into_the_slot_being_persisted_waits_for_the_helper(tmp_path):
@@ -201,12 +196,7 @@ def test_three_slots_never_wait_and_a_bad_slot_is_never_committed(tmp_path):
         assert bad.status == "failed" and "verification" in bad.error, bad
         helper = writer._backend.proc.pid
     assert helper != os.getpid()
-    assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]
-    sdir = tmp_path / "step_10"  # no done file, no data left behind
-    assert not sdir.exists() or not any(sdir.iterdir()), list(sdir.iterdir())
-    fresh_state, fresh = make_state(seed=7)
-    assert load(str(tmp_path), fresh_state).step == 2
-    assert_tree_equal(_model_state(fresh), kept)
+    _assert_only_committed(tmp_path, [2], failed_step=10, kept=kept)
 
 
 def test_a_save_that_holds_its_slot_too_long_can_be_cancelled(tmp_path):
@@ -321,3 +311,15 @@ def test_memory_plan_counts_a_third_slot_instead_of_a_staging_copy():
     with pytest.raises(MemoryBudgetError, match="3 x 256"):
         _replicator(state, 3 * size - 1, durable_zero_copy=True)
     _replicator(state, 3 * size - 1).close()  # two slots fit
+
+
+def _assert_only_committed(root, steps: list[int], failed_step: int, kept) -> None:
+    """Exactly ``steps`` are listed, the failed save left nothing behind, and the newest
+    loads into fresh objects equal to ``kept`` (its model state)."""
+    assert [c.step for c in list_checkpoints(str(root))] == steps
+    sdir = root / f"step_{failed_step}"  # no done file, no data left behind
+    assert not sdir.exists() or not any(sdir.iterdir()), list(sdir.iterdir())
+    fresh_state, fresh = make_state(seed=7)
+    assert load(str(root), fresh_state).step == steps[-1]
+    assert_tree_equal(_model_state(fresh), kept)
+
