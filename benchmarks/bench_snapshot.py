@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -273,10 +274,14 @@ def main() -> None:
     args.block_steps = args.block_steps or (4 if q else 6)
     if args.rank >= 0:
         rank_main(args)
-        return
+        # Rank 0 hosts the TCPStore; skip interpreter teardown, where its server
+        # thread can abort in static destruction after the result is written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        fwd = [a for a in os.sys.argv[1:]]
+        fwd = sys.argv[1:]
         progress(f"bench_snapshot: 2 ranks, {args.layers} x {args.width}^2 fp32 + Adam")
         t0 = time.perf_counter()
         run_ranks("benchmarks.bench_snapshot", args.world_size, [*fwd, "--out", str(out)])
