@@ -33,8 +33,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from launcher import reaper, worker_output
 from launcher import rendezvous as rdzv
-from launcher import worker_output
 from launcher.config import CheckpointlessConfig, config_to_json
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
@@ -47,6 +47,7 @@ from launcher.worker_procs import (
     make_heartbeat_file,
     stop_processes,
 )
+from launcher.zygote import Zygote
 from recovery import auth, protocol
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
@@ -90,6 +91,7 @@ class Agent:
         self._wake = threading.Event()
         self._seq = itertools.count()
         self._next_peer_check = 0.0
+        self._next_reap = 0.0
         self._fence_check = False  # look at this node's group ownership on the next pass
         self._fenced_out = False  # this node lost its ranks; it never takes any over
 
@@ -145,7 +147,7 @@ class Agent:
             job_key=self.job_store.signer.key_hex(), gloo_ifname=self.job_store.plan.gloo_ifname,
         )
         self.base_env = self.job.base()
-        self.spares = SparePool(a.spares, self.base_env, self._emit)
+        self.spares = SparePool(a.spares, self.base_env, self._emit, self._start_zygote())
         self.spares.fill()  # spares import torch while the other nodes join
         if not a.is_spare_node and not rdzv.own_group(self.store, self.node, self.node):
             raise JoinError(
@@ -164,6 +166,30 @@ class Agent:
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, "
                   f"run dir {self.run_dir})")
         self._log(f"listening on {self.job_store.plan.describe}")
+
+    def _start_zygote(self) -> Zygote | None:
+        """The process that spares are forked from (ADR 0011), where this node keeps
+        spares, the user did not turn it off, and the agent can adopt the forks."""
+        if self.args.spares <= 0 or not self.args.fork_spares:
+            return None
+        if not reaper.become_subreaper():
+            self._log("cannot adopt forked spares here (no PR_SET_CHILD_SUBREAPER): "
+                      "each spare imports torch itself")
+            return None
+        zygote = Zygote(self.base_env, self._emit)
+        zygote.start()
+        return zygote
+
+    def _reap_orphans(self) -> None:
+        """Being a subreaper, collect orphans that ended up ours (a killed worker's
+        durable helper): the status of our own workers and spares stays theirs."""
+        if time.monotonic() < self._next_reap:
+            return
+        self._next_reap = time.monotonic() + 1.0
+        known = {w.proc.pid for w in self.workers.values()}
+        if self.spares is not None:
+            known |= self.spares.pids()
+        reaper.reap_orphans(known)
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
@@ -184,6 +210,7 @@ class Agent:
                 return self._failed(str(failure.get("reason", failure)))
             self._poll_workers(gen)
             self.spares.maintain()
+            self._reap_orphans()
             if time.monotonic() >= self._next_peer_check:
                 self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
                 self._fence_check = True

@@ -74,8 +74,18 @@ def _exercise_torch() -> None:
 
     The first optimizer built in a process imports torch's compile machinery (over a
     second of CPU here); a replacement would otherwise pay it on the recovery path.
+    Torch's default generator is left as a fresh process has it.
     """
     import torch
+
+    rng = torch.get_rng_state()
+    try:
+        _one_step(torch)
+    finally:
+        torch.set_rng_state(rng)
+
+
+def _one_step(torch) -> None:
 
     model = torch.nn.Linear(4, 4)
     for opt_cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
@@ -113,22 +123,29 @@ def warm_job_modules(stop: threading.Event, poll_s: float = 0.5) -> None:
     run_dir = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR")
     if not run_dir:
         return
-    warm = os.path.join(run_dir, "warm")
     seen: set[str] = set()
     while not stop.is_set():
-        try:
-            names = sorted(set(os.listdir(warm)) - seen)
-        except OSError:
-            names = []
-        for name in names:
-            seen.add(name)
-            if stop.is_set() or not _importable_name(name):
-                continue
-            try:
-                importlib.import_module(name)
-            except Exception:
-                continue
+        import_job_modules(seen, stop)
         stop.wait(poll_s)
+
+
+def import_job_modules(seen: set[str], stop: threading.Event | None = None) -> None:
+    """One pass of :func:`warm_job_modules`: import the names not in ``seen`` yet."""
+    run_dir = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR")
+    if not run_dir:
+        return
+    try:
+        names = sorted(set(os.listdir(os.path.join(run_dir, "warm"))) - seen)
+    except OSError:
+        return
+    for name in names:
+        seen.add(name)
+        if (stop is not None and stop.is_set()) or not _importable_name(name):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:
+            continue
 
 
 def run_fresh(argv: list[str]) -> None:
@@ -175,10 +192,13 @@ class WarmUpPriority:
     starts during the warm-up step), so :meth:`restore` resets every thread.
     """
 
-    def __init__(self, nice: int = SPARE_NICE) -> None:
+    def __init__(self, nice: int = SPARE_NICE, orig: int | None = None) -> None:
+        """``orig``: the job's priority, where this process was started below it (a
+        spare forked by the zygote inherits the zygote's lowered priority)."""
         self.nice = nice
-        self.orig = os.getpriority(os.PRIO_PROCESS, 0)
-        self.active = False
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        self.orig = current if orig is None else orig
+        self.active = current != self.orig and self.can_restore()
 
     def can_restore(self) -> bool:
         if os.geteuid() == 0:
@@ -255,9 +275,19 @@ def main() -> int:
     if sys.argv[1:2] == ["--run"]:
         run_fresh(sys.argv[2:])
         return 0
-    stop = threading.Event()
     priority = WarmUpPriority()
     priority.lower()
+    return _wait_and_run(priority)
+
+
+def serve_forked(job_nice: int) -> int:
+    """The rest of a spare's life after the zygote forked it (:mod:`launcher.zygote`):
+    already warm, at the zygote's lower priority; back to ``job_nice`` when assigned."""
+    return _wait_and_run(WarmUpPriority(orig=job_nice))
+
+
+def _wait_and_run(priority: WarmUpPriority) -> int:
+    stop = threading.Event()
     incoming = _AssignmentWatch(priority)
     try:
         install_worker_hooks()

@@ -21,8 +21,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from launcher import worker_output
+from launcher.zygote import Zygote, ZygoteError
+from replication.forked import ForkedProcess
 
 SPARE_MODULE = "launcher.spare"
+
+#: A worker or spare process: started by ``Popen``, or forked by the zygote.
+Spare = subprocess.Popen | ForkedProcess
 
 
 def python_command(script: str, args: Iterable[str], module: bool) -> list[str]:
@@ -54,7 +59,7 @@ class Worker:
     rank: int
     local_rank: int
     group_rank: int
-    proc: subprocess.Popen
+    proc: Spare
     heartbeat: str
     restart_count: int
     gen_seen: int  # the generation current when this process last showed life
@@ -117,7 +122,7 @@ def launch(
     base_env: Mapping[str, str],
     rank_vars: Mapping[str, str],
     spares: SparePool | None,
-) -> tuple[subprocess.Popen, bool]:
+) -> tuple[Spare, bool]:
     """Start a rank: on an idle warm spare if ``spares`` has one, else a fresh process.
 
     Returns the process and whether it was a spare. The pool refills itself later,
@@ -134,7 +139,7 @@ def launch(
     return spawn(cmd, {**base_env, **rank_vars}), False
 
 
-def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> None:
+def stop_processes(procs: Iterable[Spare], grace_s: float = 5.0) -> None:
     """SIGTERM, wait up to ``grace_s``, then SIGKILL whatever is left (and reap it)."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
@@ -163,29 +168,54 @@ class SparePool:
     """
 
     refill_delay_s = 15.0
+    #: With a zygote a refill is a fork, not an import: only let the recovery pass.
+    forked_refill_delay_s = 1.0
+    #: How long the pool waits for its zygote's imports before starting spares itself.
+    zygote_wait_s = 60.0
+    #: How long a rank that needs a spare now waits for a zygote still importing (the
+    #: agent's loop is blocked meanwhile); past it, the rank starts a new interpreter.
+    zygote_take_wait_s = 3.0
 
     def __init__(
-        self, size: int, env: Mapping[str, str], emit: Callable[..., object]
+        self, size: int, env: Mapping[str, str], emit: Callable[..., object],
+        zygote: Zygote | None = None,
     ) -> None:
         self.size = size
         self._env = dict(env)
         self._emit = emit
-        self._idle: list[subprocess.Popen] = []
+        self._idle: list[Spare] = []
         self._restarts_left = 2 * size + 2
         self._refill_at = 0.0
+        self.zygote = zygote
+        self._zygote_since = time.monotonic()
+        self._job_nice = os.getpriority(os.PRIO_PROCESS, 0)
 
     def fill(self) -> None:
         if time.monotonic() < self._refill_at:
             return
         while len(self._idle) < self.size:
-            proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", SPARE_MODULE],
-                env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
+            proc = self._new_spare()
+            if proc is None:
+                return  # the zygote is still importing: fork them once it is ready
             worker_output.relay(proc, "spare")
             self._idle.append(proc)
-            self._emit("spare_start", pid=proc.pid)
+            self._emit("spare_start", pid=proc.pid, forked=isinstance(proc, ForkedProcess))
+
+    def _new_spare(self) -> Spare | None:
+        z = self.zygote
+        if z is not None and z.usable:
+            if z.ready():
+                try:
+                    return z.fork_spare(self._job_nice, args=SPARE_MODULE)
+                except ZygoteError as exc:
+                    self._emit("spare_fork_failed", reason=str(exc))
+            elif time.monotonic() - self._zygote_since < self.zygote_wait_s:
+                return None
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", SPARE_MODULE],
+            env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
 
     def maintain(self) -> None:
         """Reap spares that died while idle and start new ones (within the budget)."""
@@ -199,17 +229,32 @@ class SparePool:
             self._restarts_left -= 1
         self.fill()
 
-    def take(self) -> subprocess.Popen | None:
-        self._refill_at = time.monotonic() + self.refill_delay_s
+    def take(self) -> Spare | None:
+        """An idle spare, else (with a zygote) a newly forked one. A zygote still
+        importing is waited for, briefly: its head start beats a new interpreter's."""
+        z = self.zygote
+        forked = z is not None and z.usable and z.ready(
+            wait_s=0.0 if self._idle else self.zygote_take_wait_s)
+        delay = self.forked_refill_delay_s if forked else self.refill_delay_s
+        self._refill_at = time.monotonic() + delay
         while self._idle:
             proc = self._idle.pop(0)
             if proc.poll() is None:
                 return proc
+        if forked and self.zygote is not None:  # none idle: a fork still beats an import
+            try:
+                proc = self.zygote.fork_spare(self._job_nice, args=SPARE_MODULE)
+            except ZygoteError as exc:
+                self._emit("spare_fork_failed", reason=str(exc))
+                return None
+            worker_output.relay(proc, "spare")
+            self._emit("spare_start", pid=proc.pid, forked=True)
+            return proc
         return None
 
     @staticmethod
     def assign(
-        proc: subprocess.Popen, env: Mapping[str, str], argv: list[str], module: bool
+        proc: Spare, env: Mapping[str, str], argv: list[str], module: bool
     ) -> bool:
         """Hand a rank to a spare; False if it died before it could take it."""
         line = json.dumps({"env": dict(env), "argv": argv, "module": module}) + "\n"
@@ -229,4 +274,13 @@ class SparePool:
                 proc.stdin.close()
         stop_processes(self._idle, grace_s=2.0)
         self._idle.clear()
+        if self.zygote is not None:
+            self.zygote.stop()
+
+    def pids(self) -> set[int]:
+        """The processes the pool owns (they collect their own exit status)."""
+        owned = {p.pid for p in self._idle}
+        if self.zygote is not None and self.zygote.proc is not None:
+            owned.add(self.zygote.proc.pid)
+        return owned
 

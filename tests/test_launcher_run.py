@@ -69,9 +69,10 @@ def test_torchrun_environment_and_env_init(agents, tmp_path, out):
     assert "job done" in agents.log(proc)
 
 
-@pytest.mark.parametrize("spares", [0, 1])
-def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out, spares):
-    proc, run_dir = standalone(agents, tmp_path, "--spares", str(spares),
+@pytest.mark.parametrize(("spares", "fork"), [(0, True), (1, True), (1, False)])
+def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out, spares, fork):
+    flags = ("--spares", str(spares), *(() if fork else ("--no-fork-spares",)))
+    proc, run_dir = standalone(agents, tmp_path, *flags,
                                worker=("--fail-once", "1", "--replacement-finishes"))
     assert agents.wait(proc) == 0, agents.log(proc)
     assert len(records(out, 0)) == 1  # rank 0 was never restarted
@@ -84,6 +85,10 @@ def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out
     assert assigned["pid"] == second["pid"] and assigned["seconds_since_detection"] < 5
     [declared] = events(run_dir, "failure_declared")
     assert declared["gen"] == 1 and declared["cause"]["exitcode"] == 1
+    # With spares, they come from the zygote unless --no-fork-spares (ADR 0011).
+    started = events(run_dir, "spare_start")
+    assert all(e["forked"] is fork for e in started) and bool(started) is bool(spares)
+    assert bool(events(run_dir, "zygote_ready")) is (spares > 0 and fork)
 
 
 def test_hung_worker_is_killed_and_replaced(agents, tmp_path, out):

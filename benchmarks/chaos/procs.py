@@ -14,7 +14,6 @@ reap them (:func:`reap_orphans`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import time
@@ -23,21 +22,13 @@ from collections.abc import Iterable
 
 import psutil
 
+from launcher.reaper import become_subreaper  # noqa: F401  (the harness adopts orphans)
+
 TOKEN_ENV = "CHAOS_SOAK_TOKEN"  # not CHECKPOINTLESS_*: that prefix is the recipe's
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def new_token(tag: str = "") -> str:
     return f"chaos-{os.getpid()}-{uuid.uuid4().hex[:12]}{'-' + tag if tag else ''}"
-
-
-def become_subreaper() -> bool:
-    """Adopt orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``); False if unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def tracked(token: str) -> list[psutil.Process]:

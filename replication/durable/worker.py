@@ -9,7 +9,10 @@ process of its own:
 
 - started with ``python -m replication.durable.worker FD`` (not ``multiprocessing``:
   spawn would re-import the user's ``__main__``), at a lower CPU priority, without GPUs
-  (``CUDA_VISIBLE_DEVICES=""``) and with one torch thread;
+  (``CUDA_VISIBLE_DEVICES=""``) and with one torch thread. A warm spare forks its
+  helper in advance instead (:func:`prefork_helper`), while it is still small and
+  single-threaded: a replacement rank then starts no ``import torch`` at all, which on
+  a busy host costs the surviving ranks about half a second of training each time;
 - settings, including storage credentials, arrive over a socketpair, never argv;
 - the snapshot is read from shared memory: straight from its snapshot slot when the
   snapshot engine allocates its slots there (a memfd whose descriptor is passed over
@@ -36,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -48,6 +52,7 @@ from replication.durable.saver import (
     SaveResult,
     SaverSettings,
 )
+from replication.forked import ForkedProcess
 
 log = logging.getLogger("checkpointless.durable")
 
@@ -59,13 +64,68 @@ class HelperError(RuntimeError):
     """The helper process could not be started or died."""
 
 
+@dataclass
+class _Preforked:
+    pid: int
+    sock: socket.socket
+
+
+_preforked: _Preforked | None = None
+#: Set in a pre-forked helper: the absolute nice value to take (its parent, a spare, is
+#: itself lowered while it waits, so a relative ``os.nice`` would overshoot).
+_helper_nice: int | None = None
+
+
+def prefork_helper(job_nice: int) -> bool:
+    """Fork this process's durable helper now, to be taken by the first
+    :meth:`ProcessBackend.start` (a warm spare calls this before it waits for a rank).
+
+    Call it only while the process is small and has no threads of its own: the child
+    shares the parent's memory copy-on-write and must not inherit held locks.
+    ``job_nice`` is the job's priority, which the helper runs ``HELPER_NICE`` below.
+    Returns False where ``fork`` is unavailable.
+    """
+    global _preforked
+    if not hasattr(os, "fork") or _preforked is not None:
+        return False
+    parent, child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the helper: never returns
+        global _helper_nice
+        parent.close()
+        os.environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        _helper_nice = min(19, job_nice + HELPER_NICE)
+        main([str(child.detach())])
+    child.close()
+    _preforked = _Preforked(pid, parent)
+    return True
+
+
+def _take_preforked() -> _Preforked | None:
+    global _preforked
+    taken, _preforked = _preforked, None
+    if taken is None:
+        return None
+    try:
+        done, _ = os.waitpid(taken.pid, os.WNOHANG)
+    except ChildProcessError:
+        done = taken.pid
+    if done:  # it died while waiting: start a helper the usual way
+        taken.sock.close()
+        return None
+    return taken
+
+
 # -- parent side --------------------------------------------------------------------------
 class ProcessBackend:
     """The training-process end of one rank's helper process."""
 
     def __init__(self, settings: SaverSettings) -> None:
         self.settings = settings
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
         self.conn: Connection | None = None
         self._ready = False
         self.ever_ready = False  # a helper that never got ready points at a broken setup
@@ -74,7 +134,15 @@ class ProcessBackend:
         self._killed = False
 
     def start(self) -> None:
-        """Launch the helper (returns at once; it imports torch in the background)."""
+        """Launch the helper (returns at once; it imports torch in the background), or
+        take the one this process forked in advance."""
+        taken = _take_preforked()
+        if taken is not None:
+            self.proc = ForkedProcess(taken.pid, args="durable helper (pre-forked)")
+            self.conn = Connection(taken.sock.detach())
+            self._ready, self._killed = False, False
+            self._send(("init", dataclasses.asdict(self.settings)))
+            return
         parent, child = socket.socketpair()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         root = str(Path(__file__).resolve().parents[2])  # the directory holding replication/
@@ -293,7 +361,10 @@ def serve(conn: Connection) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     try:
-        os.nice(HELPER_NICE)
+        if _helper_nice is None:
+            os.nice(HELPER_NICE)
+        else:
+            os.setpriority(os.PRIO_PROCESS, 0, _helper_nice)
     except OSError:
         pass
     kind, settings = conn.recv()

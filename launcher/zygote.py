@@ -1,0 +1,260 @@
+"""The zygote: one process per agent that imports torch once and forks warm spares.
+
+A warm spare started with ``Popen`` spends about 3 s of CPU on ``import torch`` and its
+warm-up step, and every replacement's durable helper spends almost 2 s more. On a busy
+node that CPU comes out of the surviving ranks' training (measured on 2 cores: about
+0.5-0.9 s of lost training per import, whatever its nice value or even SCHED_IDLE).
+The zygote pays the imports once, at a lower priority, then forks each spare in
+milliseconds; a forked spare forks its durable helper in advance too, so a replacement
+imports nothing at all.
+
+Protocol (a ``SOCK_SEQPACKET`` socketpair with the agent, descriptors passed with
+``SCM_RIGHTS``):
+
+- the zygote sends ``{"ready": true}`` once warm;
+- the agent sends ``{"spare": {"job_nice": N}}`` with three descriptors (the spare's
+  stdin, stdout and stderr); the zygote forks an intermediate process, which forks the
+  spare and exits at once, so the kernel reparents the spare to the agent (a child
+  subreaper, :mod:`launcher.reaper`); the zygote reaps the intermediate, then replies
+  ``{"pid": P}``; from then on the agent owns the spare as its child;
+- EOF (the agent closed its end or died) ends the zygote.
+
+The zygote starts no threads of its own, so forking it is safe: a fork copies only the
+calling thread, and torch's one idle pool thread holds no lock that a child would need.
+Between requests it imports the modules the job's workers ask spares to warm
+(``<run_dir>/warm``), so forked spares inherit those too.
+
+A forked spare reseeds Python's and NumPy's global generators (a fresh interpreter
+seeds them from the OS, and two spares must not share a stream); torch's default
+generator is left at its start-up state, as in a fresh process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from replication.forked import ForkedProcess
+
+ZYGOTE_MODULE = "launcher.zygote"
+REPLY_TIMEOUT_S = 10.0
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not fork a spare (it died, or stopped answering)."""
+
+
+# --- the agent's side -------------------------------------------------------------------
+class Zygote:
+    """The agent's handle on its zygote process. Not thread-safe: the agent's loop
+    is its only caller."""
+
+    def __init__(self, env: Mapping[str, str], emit: Callable[..., object]) -> None:
+        self._env = dict(env)
+        self._emit = emit
+        self._sock: socket.socket | None = None
+        self.proc: subprocess.Popen | None = None
+        self._ready = False
+        self.failed: str | None = None
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", ZYGOTE_MODULE, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=self._env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            ours.close()
+            self.failed = f"could not start: {exc}"
+            return
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._emit("zygote_start", pid=self.proc.pid)
+
+    @property
+    def usable(self) -> bool:
+        return self._sock is not None and self.failed is None
+
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """True once the zygote has finished its imports; waits up to ``wait_s``."""
+        if self._ready or not self.usable:
+            return self._ready
+        assert self._sock is not None
+        if select.select([self._sock], [], [], wait_s)[0]:
+            msg = self._recv_json()
+            if msg.get("ready"):
+                self._ready = True
+                self._emit("zygote_ready", pid=self.proc.pid if self.proc else None)
+        return self._ready
+
+    def fork_spare(self, job_nice: int, args: Any = None) -> ForkedProcess:
+        """A new warm spare, the agent's child, with its stdio piped to the agent."""
+        if not self.ready():
+            raise ZygoteError(self.failed or "the zygote is not ready")
+        assert self._sock is not None
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe()
+        theirs = (stdin_r, stdout_w, stderr_w)
+        try:
+            socket.send_fds(self._sock, [json.dumps({"spare": {"job_nice": job_nice}}).encode()],
+                            list(theirs))
+            reply = self._recv_json(REPLY_TIMEOUT_S)
+        except (OSError, ZygoteError) as exc:
+            for fd in (stdin_w, stdout_r, stderr_r):
+                os.close(fd)
+            self._fail(f"fork request failed: {exc}")
+            raise ZygoteError(self.failed) from exc
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        if "pid" not in reply:
+            self._fail(f"the zygote could not fork: {reply.get('error', reply)}")
+            raise ZygoteError(self.failed)
+        pid = int(reply["pid"])
+        return ForkedProcess(pid, stdin=os.fdopen(stdin_w, "wb"),
+                             stdout=os.fdopen(stdout_r, "rb"),
+                             stderr=os.fdopen(stderr_r, "rb"), args=args)
+
+    def _recv_json(self, timeout_s: float = 0.0) -> dict[str, Any]:
+        assert self._sock is not None
+        if timeout_s and not select.select([self._sock], [], [], timeout_s)[0]:
+            raise ZygoteError(f"no answer within {timeout_s:.0f} s")
+        data = self._sock.recv(4096)
+        if not data:
+            self._fail("the zygote exited")
+            raise ZygoteError(self.failed)
+        return json.loads(data)
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            self._emit("zygote_failed", reason=why)
+
+    def stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # the zygote reads EOF and exits
+            self._sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- the zygote's side ------------------------------------------------------------------
+def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Answer fork requests until EOF (then exit). Returns only in a forked spare: its
+    request and stdio descriptors."""
+    from launcher.spare import import_job_modules
+
+    seen: set[str] = set()
+    while True:
+        if not select.select([sock], [], [], 0.5)[0]:
+            import_job_modules(seen)
+            continue
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, 4096, 3)
+        except OSError:
+            os._exit(0)
+        if not data:
+            os._exit(0)  # the agent is gone
+        request = json.loads(data)
+        got = _fork_spare(sock, fds)
+        if got is not None:
+            return request["spare"], got
+        for fd in fds:
+            os.close(fd)
+
+
+def _fork_spare(sock: socket.socket, fds: list[int]) -> list[int] | None:
+    """Fork the spare through an intermediate process; returns ``fds`` in the spare
+    only. In the zygote: waits for the intermediate, then replies with the spare's pid."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the intermediate: fork the spare, report its pid, vanish
+        os.close(r)
+        try:
+            spare = os.fork()
+        except OSError:
+            os._exit(1)
+        if spare == 0:
+            os.close(w)
+            sock.close()
+            return fds
+        try:
+            os.write(w, str(spare).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        pid = f.read().decode()
+    os.waitpid(middle, 0)  # once it is reaped, the spare's parent is the agent
+    with contextlib.suppress(OSError):
+        sock.send(json.dumps({"pid": int(pid)} if pid else {"error": "fork failed"}).encode())
+    return None
+
+
+def _become_spare(request: dict[str, Any], fds: list[int]) -> int:
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    _reseed()
+    job_nice = int(request.get("job_nice", 0))
+    from replication.durable import worker as durable_worker
+
+    durable_worker.prefork_helper(job_nice)  # still single-threaded: safe to fork
+    from launcher.spare import serve_forked
+
+    return serve_forked(job_nice)
+
+
+def _reseed() -> None:
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    from launcher.spare import WarmUpPriority, warm_up
+
+    job_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    WarmUpPriority().lower()
+    t0 = time.monotonic()
+    import torch
+
+    # One intra-op thread while warming: an OpenMP pool started here would be lost
+    # in every fork (only the forking thread survives) and hang the child's first
+    # parallel op. A forked spare starts its own pool when it first needs one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    warm_up()
+    torch.set_num_threads(threads)
+    try:
+        sock.send(json.dumps({"ready": True, "warm_s": round(time.monotonic() - t0, 3),
+                              "nice": job_nice}).encode())
+    except OSError:
+        return 0
+    request, fds = _serve(sock)
+    return _become_spare(request, fds)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
