@@ -86,7 +86,6 @@ def _exercise_torch() -> None:
 
 
 def _one_step(torch) -> None:
-
     model = torch.nn.Linear(4, 4)
     for opt_cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         opt = opt_cls(model.parameters(), lr=0.1)

@@ -197,9 +197,12 @@ class SparePool:
             proc = self._new_spare()
             if proc is None:
                 return  # the zygote is still importing: fork them once it is ready
-            worker_output.relay(proc, "spare")
-            self._idle.append(proc)
-            self._emit("spare_start", pid=proc.pid, forked=isinstance(proc, ForkedProcess))
+            self._idle.append(self._started(proc))
+
+    def _started(self, proc: Spare) -> Spare:
+        worker_output.relay(proc, "spare")
+        self._emit("spare_start", pid=proc.pid, forked=isinstance(proc, ForkedProcess))
+        return proc
 
     def _new_spare(self) -> Spare | None:
         z = self.zygote
@@ -243,13 +246,9 @@ class SparePool:
                 return proc
         if forked and self.zygote is not None:  # none idle: a fork still beats an import
             try:
-                proc = self.zygote.fork_spare(self._job_nice, args=SPARE_MODULE)
+                return self._started(self.zygote.fork_spare(self._job_nice, args=SPARE_MODULE))
             except ZygoteError as exc:
                 self._emit("spare_fork_failed", reason=str(exc))
-                return None
-            worker_output.relay(proc, "spare")
-            self._emit("spare_start", pid=proc.pid, forked=True)
-            return proc
         return None
 
     @staticmethod
