@@ -44,8 +44,12 @@ class ReplicaStore:
         """A slot for ``src`` that does not hold the committed step, sized to ``nbytes``."""
         with self._lock:
             slots = self._slots.setdefault(src, [ReplicaSlot(src), ReplicaSlot(src)])
-            slot = next(s for s in sorted(slots, key=lambda s: s.step)
-                        if s.step != self._protected_step or s.step < 0)
+            # Keep ONE copy of the committed step. Both slots can hold it: a recovery
+            # re-replicates the step it rolled back to, and the protected step does
+            # not change in between. Protecting both would leave no slot to write.
+            kept = next((s for s in slots if s.step == self._protected_step and s.complete),
+                        None)
+            slot = next(s for s in sorted(slots, key=lambda s: s.step) if s is not kept)
         slot.step, slot.meta, slot.shared = -1, None, frozenset()
         if slot.buffer is None or slot.buffer.numel() != nbytes:
             slot.buffer = None

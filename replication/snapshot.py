@@ -410,8 +410,11 @@ class SnapshotEngine:
         uncommitted slot is held, wait for the oldest one's reader (see :meth:`hold`)."""
         while True:
             with self._lock:
-                free = [s for s in sorted(self.slots, key=lambda s: s.step)
-                        if s.step != self._protected_step or s.empty]
+                # One slot keeps the committed step; a second copy of it (the step a
+                # recovery rolled back to, captured again) is as free as any other.
+                kept = next((s for s in self.slots
+                             if s.step == self._protected_step and not s.empty), None)
+                free = [s for s in sorted(self.slots, key=lambda s: s.step) if s is not kept]
                 if not free:  # pragma: no cover - at least two slots, one kept
                     raise SnapshotError("no free snapshot slot")
                 for slot in free:

@@ -18,6 +18,7 @@ import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 from replication import checksum, codec
+from replication.replicas import ReplicaStore
 from replication.snapshot import (
     SnapshotEngine,
     SnapshotError,
@@ -268,6 +269,41 @@ def test_uncommitted_step_is_overwritten_never_the_committed_one():
     engine.seal(engine.capture(3))
     assert engine.held_steps() == [1, 3]
     assert torch.equal(engine.slot_for(1).buffer, committed)
+
+
+def test_committed_step_captured_twice_leaves_a_slot_to_write():
+    """A recovery rolls back to the committed step and captures it again, so both
+    slots hold it; the next capture must reuse one of them (the chaos soak found this
+    as a recovery loop), and the committed step must stay restorable."""
+    engine, model, opt = _engine_with_model()
+    train_step(model, opt)
+    engine.seal(engine.capture(1))
+    engine.protect(1)
+    committed = _live({"model": model, "optim": opt})
+    engine.restore(1)
+    engine.seal(engine.capture(1))  # the same step, in the other slot
+    engine.protect(1)
+    assert engine.held_steps() == [1, 1]
+    train_step(model, opt)
+    engine.seal(engine.capture(2))
+    assert engine.held_steps() == [1, 2]
+    engine.restore(1)
+    assert_tree_equal(_live({"model": model, "optim": opt}), committed)
+
+
+def test_replica_store_keeps_one_copy_of_a_committed_step_held_twice():
+    store = ReplicaStore()
+    sentinel = object()  # stands for the metadata of a complete replica
+    for _ in range(2):  # the committed step is replicated again after a rollback
+        slot = store.writable(0, 64)
+        slot.step, slot.meta = 5, sentinel
+        slot.buffer.fill_(5)
+        store.protect(5)
+    assert store.held_steps() == {0: [5, 5]}
+    slot = store.writable(0, 64)  # was StopIteration: both slots were protected
+    slot.step, slot.meta = 6, sentinel
+    assert store.held_steps() == {0: [5, 6]}
+    assert bool((store.get(0, 5).buffer == 5).all())
 
 
 def test_failed_capture_leaves_held_snapshots_intact():
