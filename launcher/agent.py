@@ -221,7 +221,7 @@ class Agent:
                     self._fenced(taker)
                     if not self.args.hosts_store:  # the store host stays, idle, to the end
                         return EXIT_FENCED
-            self._settle_lost_groups()
+            self._settle_lost_groups(gen)
             if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()
             self._wake.wait(self.args.monitor_interval_s)
@@ -352,12 +352,22 @@ class Agent:
                              "ranks": self._ranks(g)}
                     self._declare(observed, cause)
 
-    def _settle_lost_groups(self) -> None:
-        """Take over a lost group if idle; give up on it when nobody does in time."""
+    def _settle_lost_groups(self, gen: int) -> None:
+        """Take over a lost group if idle; keep it where its node came back before
+        anyone took it; give up on it when nobody does either in time."""
         for g, lost in list(self.lost_groups.items()):
             owner = rdzv.owner(self.store, g)
             if owner is not None and owner != lost.lost_node:
                 del self.lost_groups[g]  # someone (maybe this agent) took it
+            elif owner == lost.lost_node and self._returned(lost.lost_node, gen):
+                # Only slow (a starved agent): its workers join the generation its loss
+                # started, as survivors. Better than stopping the job for want of a
+                # spare node, and no fencing is needed: the owner record is unchanged.
+                del self.lost_groups[g]
+                self._emit("node_returned", lost_node=lost.lost_node, group=g,
+                           after_s=round(time.monotonic() - lost.detected_at, 3))
+                self._log(f"node {lost.lost_node} is back (its heartbeat resumed) and "
+                          f"nobody took ranks {self._ranks(g)} over: they stay there")
             elif (self.group is None and not self._fenced_out
                   and rdzv.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
@@ -367,6 +377,11 @@ class Agent:
                 del self.lost_groups[g]
                 protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
                                    f"{self._ranks(g)}) and no spare node took them over")
+
+    def _returned(self, node: int, gen: int) -> bool:
+        """The lost ``node`` heartbeats again (checked once per node: its other groups
+        see it watched again)."""
+        return node not in self.watch.lost or self.watch.returned(self.store, node, gen)
 
     def _adopt(self, group: int, lost: _LostGroup) -> None:
         self.group = group

@@ -434,6 +434,20 @@ class PeerWatch:
                 newly.append(n)
         return newly
 
+    def returned(self, store: dist.Store, node: int, gen: int) -> bool:
+        """True if ``node``, declared lost, has heartbeated since: it was only slow
+        (a starved agent). It is watched again from now on."""
+        peer = self.peers.get(node)
+        if node not in self.lost or peer is None:
+            return False
+        key = protocol.agent_heartbeat_key(node)
+        payload = auth.open_value(key, store.multi_get([key])[0])
+        if payload is None or int(payload) <= peer.seq:
+            return False
+        peer.seq, peer.changed_at, peer.gen_alive = int(payload), time.monotonic(), gen
+        self.lost.discard(node)
+        return True
+
     def gen_alive(self, node: int, default: int) -> int:
         peer = self.peers.get(node)
         return default if peer is None else peer.gen_alive

@@ -149,6 +149,55 @@ def test_slow_node_taken_over_is_fenced(tmp_path, reference):
     assert "took ranks [2, 3] over" in job.agents[1].stderr
 
 
+def _stall_agent_until_declared_lost(node: int, from_step: int, extra_s: float):
+    """A ``during`` hook: SIGSTOP node ``node``'s agent once rank 0 finished
+    ``from_step``, and SIGCONT it ``extra_s`` after another agent declared it lost."""
+
+    def during(run_dir: Path) -> None:
+        events = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 90
+        pid = None
+        while time.monotonic() < deadline:
+            found = read_events(events) if events.exists() else []
+            pid = pid or next((e["pid"] for e in found if e.get("event") == "agent_start"
+                               and e.get("node") == node), None)
+            if pid and any(e.get("event") == "step" and e["step"] >= from_step for e in found):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"training never reached step {from_step}")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            while time.monotonic() < deadline:
+                if any(e.get("event") == "node_lost" and e.get("lost_node") == node
+                       for e in read_events(events)):
+                    break
+                time.sleep(0.05)
+            time.sleep(extra_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    return during
+
+
+def test_slow_node_back_before_any_takeover_keeps_its_ranks(tmp_path, reference):
+    """Node 1's agent stalls past the heartbeat timeout and no spare node exists: node
+    0 declares it lost, then sees its heartbeat resume before giving up (two timeouts).
+    The node keeps its ranks, its workers rejoin as survivors, and the job ends
+    bit-identical (it used to stop: "no spare node took them over")."""
+    job = run_job(tmp_path / "run", nnodes=2, timeout_s=200,
+                  overrides=list(FAST_DETECTION),
+                  # slow steps: the job must outlast the two timeouts of patience
+                  script_args=(*TRAIN_ARGS, "--step-sleep", "1.0"),
+                  during=_stall_agent_until_declared_lost(1, from_step=2, extra_s=1.0))
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    back = job.events("node_returned")
+    assert [(e["node"], e["lost_node"], e["group"]) for e in back] == [(0, 1, 1)], back
+    assert not job.events("node_takeover") and not job.events("node_fenced")
+    assert "node 1 is back" in job.agents[0].stderr
+
+
 # --- unrecoverable: the job must stop, with a reason, not hang ---------------------------
 def test_both_copies_lost_stops_the_job(tmp_path):
     """Ranks 1 and 3 hold each other's replica; losing both loses both states."""
