@@ -52,10 +52,40 @@ from recovery import auth, protocol
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job
-#: How many heartbeat timeouts a lost group waits for a spare node before the job stops.
-#: A spare node notices the loss on its own clock, one timeout after it last saw the
-#: node alive, and one that just started gives every peer a full timeout of grace.
-TAKEOVER_PATIENCE = 2.0
+#: How many heartbeat timeouts a lost group waits for a spare node, or for its own node
+#: to come back, before the job stops. A spare node notices the loss on its own clock,
+#: one timeout after it last saw the node alive, and one that just started gives every
+#: peer a full timeout of grace. The chaos soak saw agents on an overloaded host stall
+#: for 6-15 s and come back: waiting longer only delays a stop that is due anyway.
+TAKEOVER_PATIENCE = 4.0
+#: A pass of the agent's loop longer than this is reported (``agent_stalled``).
+STALL_REPORT_S = 2.0
+
+
+class _PassTimer:
+    """Times the parts of one pass of the agent's loop, to name the part that stalled
+    when a pass takes seconds (an agent starved on an overloaded host misses its
+    heartbeats and is declared lost; the event says where its time went)."""
+
+    def __init__(self) -> None:
+        self._t0 = self._last = time.monotonic()
+        self._parts: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._t0 = self._last = time.monotonic()
+        self._parts.clear()
+
+    def lap(self, part: str) -> None:
+        now = time.monotonic()
+        self._parts[part] = now - self._last
+        self._last = now
+
+    def stalled(self, over_s: float) -> dict[str, Any] | None:
+        total = time.monotonic() - self._t0
+        if total <= over_s:
+            return None
+        return {"pass_s": round(total, 3),
+                "parts_s": {k: round(v, 3) for k, v in self._parts.items()}}
 
 
 class JoinError(RuntimeError):
@@ -201,16 +231,21 @@ class Agent:
 
     # --- the loop -------------------------------------------------------------------
     def _loop(self) -> int:
+        timer = _PassTimer()
         while True:
+            timer.start()
             if self._signal is not None:
                 return self._stop()
             gen = protocol.current_generation(self.store)  # before looking at anyone
             failure = protocol.fatal(self.store)
             if failure is not None:
                 return self._failed(str(failure.get("reason", failure)))
+            timer.lap("store")
             self._poll_workers(gen)
+            timer.lap("workers")
             self.spares.maintain()
             self._reap_orphans()
+            timer.lap("spares")
             if time.monotonic() >= self._next_peer_check:
                 self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
                 self._fence_check = True
@@ -222,8 +257,11 @@ class Agent:
                     if not self.args.hosts_store:  # the store host stays, idle, to the end
                         return EXIT_FENCED
             self._settle_lost_groups(gen)
+            timer.lap("peers")
             if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()
+            if (stall := timer.stalled(STALL_REPORT_S)) is not None:
+                self._emit("agent_stalled", **stall)
             self._wake.wait(self.args.monitor_interval_s)
 
     def _poll_workers(self, gen: int) -> None:

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -348,6 +349,10 @@ def wait_for_groups(
     return None
 
 
+#: A beat later than this many intervals (plus a second) is reported on the console.
+HEARTBEAT_LATE_FACTOR = 2.0
+
+
 class Heartbeat(threading.Thread):
     """Writes this agent's sealed heartbeat sequence number on its own connection.
 
@@ -371,7 +376,17 @@ class Heartbeat(threading.Thread):
         try:
             store = connect_store(*self._addr, timeout_s=OP_TIMEOUT_S)
             seq = 0
+            last = time.monotonic()
             while not self._stop_event.wait(self._interval):
+                now = time.monotonic()
+                if now - last > HEARTBEAT_LATE_FACTOR * self._interval + 1.0:
+                    # Peers may be about to declare us lost: say so on the console, with
+                    # the gap, so a false node loss can be told from a real one.
+                    print(f"[checkpointless node {self._node}] heartbeat late by "
+                          f"{now - last - self._interval:.1f}s (this agent was not "
+                          "scheduled, or its store connection stalled)",
+                          file=sys.stderr, flush=True)
+                last = now
                 seq += 1
                 auth.put(store, self._key, str(seq))
                 group = self._group_of()

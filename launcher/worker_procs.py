@@ -201,7 +201,9 @@ class SparePool:
 
     def _started(self, proc: Spare) -> Spare:
         worker_output.relay(proc, "spare")
-        self._emit("spare_start", pid=proc.pid, forked=isinstance(proc, ForkedProcess))
+        forked = isinstance(proc, ForkedProcess)
+        extra = {"fork_s": round(self.zygote.last_fork_s, 4)} if forked and self.zygote else {}
+        self._emit("spare_start", pid=proc.pid, forked=forked, **extra)
         return proc
 
     def _new_spare(self) -> Spare | None:

@@ -64,6 +64,7 @@ class Zygote:
         self.proc: subprocess.Popen | None = None
         self._ready = False
         self.failed: str | None = None
+        self.last_fork_s = 0.0  # how long the last fork request took (reported)
 
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -103,6 +104,7 @@ class Zygote:
         if not self.ready():
             raise ZygoteError(self.failed or "the zygote is not ready")
         assert self._sock is not None
+        t0 = time.monotonic()
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         stderr_r, stderr_w = os.pipe()
@@ -123,6 +125,7 @@ class Zygote:
             self._fail(f"the zygote could not fork: {reply.get('error', reply)}")
             raise ZygoteError(self.failed)
         pid = int(reply["pid"])
+        self.last_fork_s = time.monotonic() - t0
         return ForkedProcess(pid, stdin=os.fdopen(stdin_w, "wb"),
                              stdout=os.fdopen(stdout_r, "rb"),
                              stderr=os.fdopen(stderr_r, "rb"), args=args)
