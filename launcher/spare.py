@@ -281,8 +281,10 @@ def main() -> int:
 
 def serve_forked(job_nice: int) -> int:
     """The rest of a spare's life after the zygote forked it (:mod:`launcher.zygote`):
-    already warm, at the zygote's lower priority; back to ``job_nice`` when assigned."""
-    return _wait_and_run(WarmUpPriority(orig=job_nice))
+    already warm; it waits below ``job_nice`` and returns to it when assigned."""
+    priority = WarmUpPriority(orig=job_nice)
+    priority.lower()
+    return _wait_and_run(priority)
 
 
 def _wait_and_run(priority: WarmUpPriority) -> int:

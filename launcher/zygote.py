@@ -19,8 +19,11 @@ Protocol (a ``SOCK_SEQPACKET`` socketpair with the agent, descriptors passed wit
   ``{"pid": P}``; from then on the agent owns the spare as its child;
 - EOF (the agent closed its end or died) ends the zygote.
 
-The zygote starts no threads of its own, so forking it is safe: a fork copies only the
-calling thread, and torch's one idle pool thread holds no lock that a child would need.
+The zygote imports at nice +10 and then returns to the job's priority, so that a fork
+request is answered at once however busy the host is; each spare lowers itself again
+while it waits. The zygote starts no threads of its own, so forking it is safe: a fork
+copies only the calling thread, and torch's one idle pool thread holds no lock that a
+child would need.
 Between requests it imports the modules the job's workers ask spares to warm
 (``<run_dir>/warm``), so forked spares inherit those too.
 
@@ -221,7 +224,7 @@ def _become_spare(request: dict[str, Any], fds: list[int]) -> int:
     durable_worker.prefork_helper(job_nice)  # still single-threaded: safe to fork
     from launcher.spare import serve_forked
 
-    return serve_forked(job_nice)
+    return serve_forked(job_nice)  # it waits for its rank at nice +10 again
 
 
 def _reseed() -> None:
@@ -239,7 +242,8 @@ def main(argv: list[str]) -> int:
     from launcher.spare import WarmUpPriority, warm_up
 
     job_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    WarmUpPriority().lower()
+    priority = WarmUpPriority()
+    priority.lower()  # the imports yield to training...
     t0 = time.monotonic()
     import torch
 
@@ -250,6 +254,10 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     warm_up()
     torch.set_num_threads(threads)
+    # ...but a fork request must not wait for a slice of CPU at nice +10: on a loaded
+    # host that took over 10 s (measured by the chaos soak), with the agent's loop
+    # blocked meanwhile. Waiting for requests costs nothing at any priority.
+    priority.restore()
     try:
         sock.send(json.dumps({"ready": True, "warm_s": round(time.monotonic() - t0, 3),
                               "nice": job_nice}).encode())

@@ -5,8 +5,8 @@ holding a zygote and a spare pool. It hands scripts to forked spares and reports
 they saw. What must hold:
 
 - a forked spare is the agent's own child (it can be waited for, its exit status and
-  signals are the script's), and runs its rank at the job's priority while the zygote
-  waits below it;
+  signals are the script's); it waits below the job's priority and runs its rank at
+  it, while the warm zygote answers at the job's priority;
 - two spares do not share Python's random stream;
 - a spare's durable helper is forked in advance and is the one the writer uses: a
   real save through it commits and loads; orphaned helpers are reaped by the agent;
@@ -90,11 +90,13 @@ def test_forked_spares_are_the_agents_children_and_run_their_ranks(tmp_path):
         assert rep["helper"] is not None and rep["helper"] != rep["pid"]
         reports.append(rep)
     assert reports[0]["random"] != reports[1]["random"]
-    # The zygote waits below the job's priority (where this user may restore it).
-    from launcher.spare import WarmUpPriority
+    # Once warm, the zygote answers at the job's priority; its spares wait below it
+    # (where this user may restore a priority) and run their ranks at it (above).
+    from launcher.spare import SPARE_NICE, WarmUpPriority
 
+    assert out["zygote_nice"] == job_nice
     if WarmUpPriority().can_restore():
-        assert out["zygote_nice"] > job_nice
+        assert out["spare_nice"] == [min(19, job_nice + SPARE_NICE)] * 2
     # The idle pre-forked helpers outlived their spares and were reaped as orphans.
     assert sorted(out["reaped"]) == sorted(r["helper"] for r in reports)
     assert out["zygote_exit"] == 0  # it leaves when the agent closes its socket

@@ -19,6 +19,16 @@ from launcher.zygote import Zygote
 from replication.forked import ForkedProcess
 
 
+def _settled_nice(pid: int, start: int, wait_s: float = 10.0) -> int:
+    """A waiting spare's nice value, once it has lowered itself (or after ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    nice = os.getpriority(os.PRIO_PROCESS, pid)
+    while nice == start and time.monotonic() < deadline:
+        time.sleep(0.02)
+        nice = os.getpriority(os.PRIO_PROCESS, pid)
+    return nice
+
+
 def run_spares(cfg: dict) -> dict:
     events: list[dict] = []
 
@@ -37,6 +47,7 @@ def run_spares(cfg: dict) -> dict:
     out["zygote_nice"] = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
     spares = [pool.take() for _ in cfg["scripts"]]
     out["forked"] = [isinstance(p, ForkedProcess) for p in spares]
+    out["spare_nice"] = [_settled_nice(p.pid, out["zygote_nice"]) for p in spares]
     if cfg.get("kill_zygote"):
         os.kill(zygote.proc.pid, signal.SIGKILL)
         zygote.proc.wait()
