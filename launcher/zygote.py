@@ -4,9 +4,8 @@ A warm spare started with ``Popen`` spends about 3 s of CPU on ``import torch`` 
 warm-up step, and every replacement's durable helper spends almost 2 s more. On a busy
 node that CPU comes out of the surviving ranks' training (measured on 2 cores: about
 0.5-0.9 s of lost training per import, whatever its nice value or even SCHED_IDLE).
-The zygote pays the imports once, at a lower priority, then forks each spare in
-milliseconds; a forked spare forks its durable helper in advance too, so a replacement
-imports nothing at all.
+The zygote pays the imports once, then forks each spare in milliseconds; a forked spare
+forks its durable helper in advance too, so a replacement imports nothing at all.
 
 Protocol (a ``SOCK_SEQPACKET`` socketpair with the agent, descriptors passed with
 ``SCM_RIGHTS``):
@@ -19,11 +18,11 @@ Protocol (a ``SOCK_SEQPACKET`` socketpair with the agent, descriptors passed wit
   ``{"pid": P}``; from then on the agent owns the spare as its child;
 - EOF (the agent closed its end or died) ends the zygote.
 
-The zygote imports at nice +10 and then returns to the job's priority, so that a fork
-request is answered at once however busy the host is; each spare lowers itself again
-while it waits. The zygote starts no threads of its own, so forking it is safe: a fork
-copies only the calling thread, and torch's one idle pool thread holds no lock that a
-child would need.
+The zygote runs at the job's priority, so that it is warm by the first failure and
+answers a fork request at once however busy the host is; each spare it forks lowers
+itself to nice +10 while it waits. The zygote starts no threads of its own, so forking
+it is safe: a fork copies only the calling thread, and torch's one idle pool thread
+holds no lock that a child would need.
 Between requests it imports the modules the job's workers ask spares to warm
 (``<run_dir>/warm``), so forked spares inherit those too.
 
@@ -239,11 +238,15 @@ def _reseed() -> None:
 
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
-    from launcher.spare import WarmUpPriority, warm_up
+    from launcher.spare import warm_up
 
+    # At the job's priority throughout: the zygote must be warm by the first failure,
+    # which comes while every worker trains (at nice +10 it needed up to 20 s under
+    # load, and a rank that needed a spare meanwhile waited for it or started cold).
+    # It is one import per node, paid with the workers' own at start-up; a fork
+    # request is answered at once however busy the host is; and each spare it forks
+    # waits at nice +10 (:func:`launcher.spare.serve_forked`).
     job_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    priority = WarmUpPriority()
-    priority.lower()  # the imports yield to training...
     t0 = time.monotonic()
     import torch
 
@@ -254,10 +257,6 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     warm_up()
     torch.set_num_threads(threads)
-    # ...but a fork request must not wait for a slice of CPU at nice +10: on a loaded
-    # host that took over 10 s (measured by the chaos soak), with the agent's loop
-    # blocked meanwhile. Waiting for requests costs nothing at any priority.
-    priority.restore()
     try:
         sock.send(json.dumps({"ready": True, "warm_s": round(time.monotonic() - t0, 3),
                               "nice": job_nice}).encode())
