@@ -178,7 +178,7 @@ class Agent:
         )
         self.base_env = self.job.base()
         self.spares = SparePool(a.spares, self.base_env, self._emit, self._start_zygote())
-        self.spares.fill()  # spares import torch while the other nodes join
+        self.spares.fill()  # the zygote (or each spare) imports while the other nodes join
         if not a.is_spare_node and not rdzv.own_group(self.store, self.node, self.node):
             raise JoinError(
                 f"node rank {self.node} already joined job {a.rdzv_id!r}; start a "
@@ -260,6 +260,7 @@ class Agent:
             timer.lap("peers")
             if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()
+            timer.lap("done")
             if (stall := timer.stalled(STALL_REPORT_S)) is not None:
                 self._emit("agent_stalled", **stall)
             self._wake.wait(self.args.monitor_interval_s)

@@ -95,7 +95,10 @@ class Zygote:
             return self._ready
         assert self._sock is not None
         if select.select([self._sock], [], [], wait_s)[0]:
-            msg = self._recv_json()
+            try:
+                msg = self._recv_json()
+            except ZygoteError:  # it died while importing: the pool falls back
+                return False
             if msg.get("ready"):
                 self._ready = True
                 self._emit("zygote_ready", pid=self.proc.pid if self.proc else None)

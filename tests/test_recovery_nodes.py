@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,10 +100,10 @@ def test_second_failure_during_recovery(tmp_path, reference):
     assert last[0]["providers"] == {"0": 2, "1": 3}, "both lost ranks restored from node 1"
 
 
-def _stall_agent_until_taken_over(node: int, from_step: int):
+def _stall_agent(node: int, from_step: int, until: Callable[[dict], bool], extra_s: float):
     """A ``during`` hook: SIGSTOP node ``node``'s agent (only the agent: its workers
-    train on) once rank 0 finished ``from_step``, and SIGCONT it after a spare node took
-    its ranks over, as a starved agent on an overloaded host would be."""
+    train on) once rank 0 finished ``from_step``, as a starved agent on an overloaded
+    host would be, and SIGCONT it ``extra_s`` after an event satisfies ``until``."""
 
     def during(run_dir: Path) -> None:
         events = run_dir / "events.jsonl"
@@ -120,14 +121,25 @@ def _stall_agent_until_taken_over(node: int, from_step: int):
         os.kill(pid, signal.SIGSTOP)
         try:
             while time.monotonic() < deadline:
-                if any(e.get("event") == "node_takeover" for e in read_events(events)):
+                if any(until(e) for e in read_events(events)):
                     break
                 time.sleep(0.05)
-            time.sleep(0.5)
+            time.sleep(extra_s)
         finally:
             os.kill(pid, signal.SIGCONT)
 
     return during
+
+
+def _stall_agent_until_taken_over(node: int, from_step: int):
+    """Node ``node``'s agent wakes up after a spare node took its ranks over."""
+    return _stall_agent(node, from_step, lambda e: e.get("event") == "node_takeover", 0.5)
+
+
+def _stall_agent_until_declared_lost(node: int, from_step: int, extra_s: float):
+    """Node ``node``'s agent wakes up ``extra_s`` after another agent declared it lost."""
+    return _stall_agent(node, from_step, lambda e: e.get("event") == "node_lost"
+                        and e.get("lost_node") == node, extra_s)
 
 
 def test_slow_node_taken_over_is_fenced(tmp_path, reference):
@@ -147,37 +159,6 @@ def test_slow_node_taken_over_is_fenced(tmp_path, reference):
     last = _newest_gen(job.events("recovery"))
     assert sorted(e["rank"] for e in last if e["newcomer"]) == [2, 3]
     assert "took ranks [2, 3] over" in job.agents[1].stderr
-
-
-def _stall_agent_until_declared_lost(node: int, from_step: int, extra_s: float):
-    """A ``during`` hook: SIGSTOP node ``node``'s agent once rank 0 finished
-    ``from_step``, and SIGCONT it ``extra_s`` after another agent declared it lost."""
-
-    def during(run_dir: Path) -> None:
-        events = run_dir / "events.jsonl"
-        deadline = time.monotonic() + 90
-        pid = None
-        while time.monotonic() < deadline:
-            found = read_events(events) if events.exists() else []
-            pid = pid or next((e["pid"] for e in found if e.get("event") == "agent_start"
-                               and e.get("node") == node), None)
-            if pid and any(e.get("event") == "step" and e["step"] >= from_step for e in found):
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"training never reached step {from_step}")
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            while time.monotonic() < deadline:
-                if any(e.get("event") == "node_lost" and e.get("lost_node") == node
-                       for e in read_events(events)):
-                    break
-                time.sleep(0.05)
-            time.sleep(extra_s)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-
-    return during
 
 
 def test_slow_node_back_before_any_takeover_keeps_its_ranks(tmp_path, reference):

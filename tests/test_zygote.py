@@ -127,3 +127,22 @@ def test_a_dead_zygote_falls_back_to_new_interpreters(tmp_path):
     assert out["refill_kind"] == ["Popen"]
     assert "zygote_failed" in out["events"]
     assert out["results"][0]["code"] == 0, out["log"]  # forked before the death: still works
+
+
+def test_a_zygote_that_dies_while_importing_is_marked_failed_not_raised():
+    """The agent's loop polls ``ready()``: a zygote gone before it was warm must turn
+    into a fallback (``usable`` False, a ``zygote_failed`` event), never an exception."""
+    import signal
+    import time
+
+    from launcher.zygote import Zygote
+
+    events: list[str] = []
+    zygote = Zygote(clean_env(), lambda event, **_: events.append(event))
+    zygote.start()
+    time.sleep(0.2)
+    os.kill(zygote.proc.pid, signal.SIGKILL)
+    zygote.proc.wait()
+    assert zygote.ready(wait_s=5.0) is False
+    assert not zygote.usable and events == ["zygote_start", "zygote_failed"]
+    zygote.stop()
