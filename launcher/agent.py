@@ -122,6 +122,7 @@ class Agent:
         self._seq = itertools.count()
         self._next_peer_check = 0.0
         self._next_reap = 0.0
+        self._subreaper = False  # orphans below this agent come to it (see _start_zygote)
         self._fence_check = False  # look at this node's group ownership on the next pass
         self._fenced_out = False  # this node lost its ranks; it never takes any over
 
@@ -206,6 +207,7 @@ class Agent:
             self._log("cannot adopt forked spares here (no PR_SET_CHILD_SUBREAPER): "
                       "each spare imports torch itself")
             return None
+        self._subreaper = True
         zygote = Zygote(self.base_env, self._emit)
         zygote.start()
         return zygote
@@ -213,7 +215,7 @@ class Agent:
     def _reap_orphans(self) -> None:
         """Being a subreaper, collect orphans that ended up ours (a killed worker's
         durable helper): the status of our own workers and spares stays theirs."""
-        if time.monotonic() < self._next_reap:
+        if not self._subreaper or time.monotonic() < self._next_reap:
             return
         self._next_reap = time.monotonic() + 1.0
         known = {w.proc.pid for w in self.workers.values()}
