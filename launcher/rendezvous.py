@@ -426,10 +426,22 @@ class PeerWatch:
     timeout_s: float
     peers: dict[int, _Peer] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    last_check: float | None = None
 
     def check(self, store: dist.Store, gen: int) -> list[int]:
-        """Read every peer's heartbeat; return the nodes that became lost just now."""
+        """Read every peer's heartbeat; return the nodes that became lost just now.
+
+        Time this agent could not look does not count as the peers' silence: when the
+        previous check is more than half a timeout ago (this process was not scheduled,
+        or the store answered slowly; the store host's own stall freezes every
+        heartbeat at once), every peer's silence restarts now. Otherwise a starved
+        store host would declare every other node lost the moment it woke up.
+        """
         now = time.monotonic()
+        if self.last_check is not None and now - self.last_check > self.timeout_s / 2:
+            for peer in self.peers.values():
+                peer.changed_at = max(peer.changed_at, now)
+        self.last_check = now
         listed = set(registered_nodes(store)) | set(self.peers)  # a wiped list forgets none
         nodes = sorted(n for n in listed if n != self.node and n not in self.lost)
         if not nodes:

@@ -229,6 +229,26 @@ def test_forged_agents_and_heartbeats_are_no_sign_of_life(rejected, stores):
     assert hb in keys_of(rejected)
 
 
+def test_a_pause_of_the_watcher_is_not_the_peers_silence(rejected, stores):
+    """When the watching agent could not look (it, or the store host, was not
+    scheduled: every heartbeat freezes at once), the gap does not count as silence;
+    a peer that stays silent while the agent looks is still declared lost."""
+    master, ours, _rogue = stores
+    rdzv.register(ours, 1, nproc=2, spare=False)
+    hb = protocol.agent_heartbeat_key(1)
+    auth.put(ours, hb, "1")
+    watch = rdzv.PeerWatch(node=0, timeout_s=0.4)
+    assert watch.check(master, 0) == []
+    time.sleep(0.6)  # the watcher is paused for longer than the timeout; no beats either
+    assert watch.check(master, 0) == []  # the previous code declared node 1 lost here
+    end = time.monotonic() + 2.0
+    lost: list[int] = []
+    while time.monotonic() < end and not lost:  # now it watches, and node 1 is silent
+        time.sleep(0.05)
+        lost = watch.check(master, 0)
+    assert lost == [1]
+
+
 def test_done_records(rejected, stores):
     master, ours, rogue = stores
     watch = rdzv.DoneWatch(world_size=2, recheck_s=0.0)
