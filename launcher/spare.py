@@ -191,13 +191,10 @@ class WarmUpPriority:
     starts during the warm-up step), so :meth:`restore` resets every thread.
     """
 
-    def __init__(self, nice: int = SPARE_NICE, orig: int | None = None) -> None:
-        """``orig``: the job's priority, where this process was started below it (a
-        spare forked by the zygote inherits the zygote's lowered priority)."""
+    def __init__(self, nice: int = SPARE_NICE) -> None:
         self.nice = nice
-        current = os.getpriority(os.PRIO_PROCESS, 0)
-        self.orig = current if orig is None else orig
-        self.active = current != self.orig and self.can_restore()
+        self.orig = os.getpriority(os.PRIO_PROCESS, 0)
+        self.active = False
 
     def can_restore(self) -> bool:
         if os.geteuid() == 0:
@@ -274,20 +271,14 @@ def main() -> int:
     if sys.argv[1:2] == ["--run"]:
         run_fresh(sys.argv[2:])
         return 0
+    return serve()
+
+
+def serve() -> int:
+    """A spare's life: warm up (nearly free in a spare the zygote forked, which
+    inherits its imports) and wait below the job's priority; run the rank at it."""
     priority = WarmUpPriority()
     priority.lower()
-    return _wait_and_run(priority)
-
-
-def serve_forked(job_nice: int) -> int:
-    """The rest of a spare's life after the zygote forked it (:mod:`launcher.zygote`):
-    already warm; it waits below ``job_nice`` and returns to it when assigned."""
-    priority = WarmUpPriority(orig=job_nice)
-    priority.lower()
-    return _wait_and_run(priority)
-
-
-def _wait_and_run(priority: WarmUpPriority) -> int:
     stop = threading.Event()
     incoming = _AssignmentWatch(priority)
     try:

@@ -188,7 +188,6 @@ class SparePool:
         self._refill_at = 0.0
         self.zygote = zygote
         self._zygote_since = time.monotonic()
-        self._job_nice = os.getpriority(os.PRIO_PROCESS, 0)
 
     def fill(self) -> None:
         if time.monotonic() < self._refill_at:
@@ -211,7 +210,7 @@ class SparePool:
         if z is not None and z.usable:
             if z.ready():
                 try:
-                    return z.fork_spare(self._job_nice, args=SPARE_MODULE)
+                    return z.fork_spare(args=SPARE_MODULE)
                 except ZygoteError as exc:
                     self._emit("spare_fork_failed", reason=str(exc))
             elif time.monotonic() - self._zygote_since < self.zygote_wait_s:
@@ -248,7 +247,7 @@ class SparePool:
                 return proc
         if forked and self.zygote is not None:  # none idle: a fork still beats an import
             try:
-                return self._started(self.zygote.fork_spare(self._job_nice, args=SPARE_MODULE))
+                return self._started(self.zygote.fork_spare(args=SPARE_MODULE))
             except ZygoteError as exc:
                 self._emit("spare_fork_failed", reason=str(exc))
         return None

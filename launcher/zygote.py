@@ -11,7 +11,7 @@ Protocol (a ``SOCK_SEQPACKET`` socketpair with the agent, descriptors passed wit
 ``SCM_RIGHTS``):
 
 - the zygote sends ``{"ready": true}`` once warm;
-- the agent sends ``{"spare": {"job_nice": N}}`` with three descriptors (the spare's
+- the agent sends ``{"spare": {}}`` with three descriptors (the spare's
   stdin, stdout and stderr); the zygote forks an intermediate process, which forks the
   spare and exits at once, so the kernel reparents the spare to the agent (a child
   subreaper, :mod:`launcher.reaper`); the zygote reaps the intermediate, then replies
@@ -104,7 +104,7 @@ class Zygote:
                 self._emit("zygote_ready", pid=self.proc.pid if self.proc else None)
         return self._ready
 
-    def fork_spare(self, job_nice: int, args: Any = None) -> ForkedProcess:
+    def fork_spare(self, args: Any = None) -> ForkedProcess:
         """A new warm spare, the agent's child, with its stdio piped to the agent."""
         if not self.ready():
             raise ZygoteError(self.failed or "the zygote is not ready")
@@ -115,7 +115,7 @@ class Zygote:
         stderr_r, stderr_w = os.pipe()
         theirs = (stdin_r, stdout_w, stderr_w)
         try:
-            socket.send_fds(self._sock, [json.dumps({"spare": {"job_nice": job_nice}}).encode()],
+            socket.send_fds(self._sock, [json.dumps({"spare": {}}).encode()],
                             list(theirs))
             reply = self._recv_json(REPLY_TIMEOUT_S)
         except (OSError, ZygoteError) as exc:
@@ -163,9 +163,9 @@ class Zygote:
 
 
 # --- the zygote's side ------------------------------------------------------------------
-def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def _serve(sock: socket.socket) -> list[int]:
     """Answer fork requests until EOF (then exit). Returns only in a forked spare: its
-    request and stdio descriptors."""
+    stdio descriptors."""
     from launcher.spare import import_job_modules
 
     seen: set[str] = set()
@@ -179,10 +179,9 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
             os._exit(0)
         if not data:
             os._exit(0)  # the agent is gone
-        request = json.loads(data)
         got = _fork_spare(sock, fds)
         if got is not None:
-            return request["spare"], got
+            return got
         for fd in fds:
             os.close(fd)
 
@@ -215,18 +214,17 @@ def _fork_spare(sock: socket.socket, fds: list[int]) -> list[int] | None:
     return None
 
 
-def _become_spare(request: dict[str, Any], fds: list[int]) -> int:
+def _become_spare(fds: list[int]) -> int:
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
     _reseed()
-    job_nice = int(request.get("job_nice", 0))
     from replication.durable import worker as durable_worker
 
-    durable_worker.prefork_helper(job_nice)  # still single-threaded: safe to fork
-    from launcher.spare import serve_forked
+    durable_worker.prefork_helper()  # still single-threaded, at the job's priority
+    from launcher.spare import serve
 
-    return serve_forked(job_nice)  # it waits for its rank at nice +10 again
+    return serve()  # it waits for its rank at nice +10
 
 
 def _reseed() -> None:
@@ -248,7 +246,7 @@ def main(argv: list[str]) -> int:
     # load, and a rank that needed a spare meanwhile waited for it or started cold).
     # It is one import per node, paid with the workers' own at start-up; a fork
     # request is answered at once however busy the host is; and each spare it forks
-    # waits at nice +10 (:func:`launcher.spare.serve_forked`).
+    # waits at nice +10 (:func:`launcher.spare.serve`).
     job_nice = os.getpriority(os.PRIO_PROCESS, 0)
     t0 = time.monotonic()
     import torch
@@ -265,8 +263,7 @@ def main(argv: list[str]) -> int:
                               "nice": job_nice}).encode())
     except OSError:
         return 0
-    request, fds = _serve(sock)
-    return _become_spare(request, fds)
+    return _become_spare(_serve(sock))
 
 
 if __name__ == "__main__":

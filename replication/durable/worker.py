@@ -71,18 +71,15 @@ class _Preforked:
 
 
 _preforked: _Preforked | None = None
-#: Set in a pre-forked helper: the absolute nice value to take (its parent, a spare, is
-#: itself lowered while it waits, so a relative ``os.nice`` would overshoot).
-_helper_nice: int | None = None
 
 
-def prefork_helper(job_nice: int) -> bool:
+def prefork_helper() -> bool:
     """Fork this process's durable helper now, to be taken by the first
     :meth:`ProcessBackend.start` (a warm spare calls this before it waits for a rank).
 
     Call it only while the process is small and has no threads of its own: the child
     shares the parent's memory copy-on-write and must not inherit held locks.
-    ``job_nice`` is the job's priority, which the helper runs ``HELPER_NICE`` below.
+    The helper lowers its priority by ``HELPER_NICE`` from the caller's at fork time.
     Returns False where ``fork`` is unavailable.
     """
     global _preforked
@@ -91,13 +88,11 @@ def prefork_helper(job_nice: int) -> bool:
     parent, child = socket.socketpair()
     pid = os.fork()
     if pid == 0:  # the helper: never returns
-        global _helper_nice
         parent.close()
         os.environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        _helper_nice = min(19, job_nice + HELPER_NICE)
         main([str(child.detach())])
     child.close()
     _preforked = _Preforked(pid, parent)
@@ -361,10 +356,7 @@ def serve(conn: Connection) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     try:
-        if _helper_nice is None:
-            os.nice(HELPER_NICE)
-        else:
-            os.setpriority(os.PRIO_PROCESS, 0, _helper_nice)
+        os.nice(HELPER_NICE)
     except OSError:
         pass
     kind, settings = conn.recv()
