@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile replication/_streamcopy.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 
 setup-nemo: $(NEMO_STAMP)
 
-$(NEMO_STAMP): pyproject.toml Makefile
+$(NEMO_STAMP): pyproject.toml Makefile replication/_streamcopy.c
 	test -x $(NEMO_PY) || $(PYTHON) -m venv $(NEMO_VENV)
 	$(NEMO_PY) -m pip install -q --upgrade pip
 	$(NEMO_PY) -m pip install -q "$(TORCH_SPEC)"

@@ -4,25 +4,27 @@ Two processes (one per simulated node, one torch thread each on this 2-core host
 hold a model whose training state (fp32 weights plus Adam's two moments) is a few
 hundred MB. Every figure is measured in the same run on the same bytes:
 
-- ``stall_s``: the training loop's blocking time for one snapshot with the default
-  ``replication.checksum=background`` (the copy into the reused buffer; checksums and
-  replication run on the background thread); ``stall_inline_s``: the same with
-  ``checksum=inline`` (each chunk hashed from cache right after its copy);
-- ``memcpy_s``: one flat copy of the same number of bytes into preallocated memory;
+- ``stall_s``: the training loop's blocking time for one snapshot made the default way
+  (``replication.checksum``'s default, with the streaming copy where the kernel is
+  built); ``stall_<kind>_s`` for each of :data:`KINDS`: ``inline`` (each source chunk
+  hashed, then streamed into the slot), ``background`` (the copy only; the hash runs
+  on the round thread) and ``torch_copy`` (the default mode copying with torch: the
+  streaming kernel's control);
+- ``memcpy_s``: one flat copy of the same number of bytes into preallocated memory,
+  both ranks at once, as their snapshots are;
 - ``torch_save_s``: a synchronous ``torch.save`` of the same state plus fsync;
 - ``dcp_async_block_s``: how long ``torch.distributed.checkpoint.async_save`` blocks;
 - ``replication_s`` / ``raw_send_s``: a replication round (announce, pipelined chunks,
   verification on receipt, commit) against one plain gloo send of the same bytes in
   each direction;
 - ``train_step_overhead``: the fractional slowdown of data-parallel-style training (a
-  sync between the two ranks) with a snapshot every step: the median difference of
-  adjacent blocks with and without, so drift cancels; ``overhead_over_copy_cost`` is the added time
-  per step divided by ``memcpy_s`` (``*_inline``: the other mode;
-  ``train_step_overhead_replicated``: with k=2 replication to the other process);
+  sync between the two ranks) with a snapshot every step, the median over blocks of the
+  difference from the same block's run without; ``overhead_over_copy_cost`` is that
+  added time per step divided by ``memcpy_s`` (``overhead_over_copy_cost_<kind>``: each
+  kind; ``train_step_overhead_replicated``: with k=2 replication to the other process);
 - ``overhead_over_inloop_copy``: a control, the same added time divided by that of a
-  third interleaved block which makes a plain copy of the same tensors into a buffer of
-  the same layout each step (``inloop_copy_over_memcpy``: what that copy costs the loop
-  against the isolated ``memcpy_s``).
+  plain torch copy of the same tensors into a buffer of the same layout each step
+  (``inloop_copy_over_memcpy``: what that copy costs the loop against ``memcpy_s``).
 
 Usage: ``python -m benchmarks.bench_snapshot [--quick]``; the last stdout line is JSON.
 """
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._harness import emit, median, progress, run_ranks
+from replication import streamcopy
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.layout import flatten, tensor_views
 from replication.replicator import Replicator
@@ -55,6 +58,23 @@ def build(width: int, layers: int, seed: int) -> tuple[torch.nn.Module, torch.op
         mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
     model = torch.nn.Sequential(*mods)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+DEFAULT = ReplicationConfig().checksum
+"""The default checksum mode: ``stall_s`` and ``overhead_over_copy_cost`` measure it."""
+KINDS = ("inline", "background", "torch_copy")
+"""Ways of snapshotting, each timed: the two checksum modes with the streaming copy, and
+the default mode copying with torch instead (the streaming kernel's same-run control)."""
+
+
+def local_replicator(
+    state: TrainingState, store: dist.Store, rank: int, world: int, kind: str, prefix: str
+) -> Replicator:
+    """A k=1 replicator (snapshot and commit, no peer copy) for one of :data:`KINDS`."""
+    config = (ReplicationConfig(factor=1, checksum=DEFAULT, streaming_copy=False)
+              if kind == "torch_copy" else ReplicationConfig(factor=1, checksum=kind))
+    return Replicator(state, store=store, rank=rank, world_size=world, node=rank,
+                      config=config, memory=MemoryConfig(), prefix=prefix)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
@@ -85,15 +105,11 @@ def rank_main(args: argparse.Namespace) -> None:
     state.register("optim", opt)
     say = progress if rank == 0 else (lambda _m: None)
 
-    # -- local snapshot stall vs memcpy (interleaved), for both checksum modes ----------
+    # -- local snapshot stall vs memcpy (interleaved), for each way of snapshotting ------
     stalls: dict[str, list[float]] = {}
     copies: list[float] = []
-    for mode in ("inline", "background"):
-        local = Replicator(
-            state, store=store, rank=rank, world_size=world, node=rank,
-            config=ReplicationConfig(factor=1, checksum=mode), memory=MemoryConfig(),
-            prefix=f"bench/local-{mode}",
-        )
+    for kind in KINDS:
+        local = local_replicator(state, store, rank, world, kind, f"bench/local-{kind}")
         for warm in (-2, -1):  # allocate and touch both slots before timing anything
             local.snapshot(warm)
             local.wait()
@@ -101,15 +117,15 @@ def rank_main(args: argparse.Namespace) -> None:
         src = torch.empty(nbytes, dtype=torch.uint8).random_()
         dst = torch.empty_like(src)
         dst.copy_(src)
-        say(f"state {nbytes / 2**20:.0f} MiB per rank; stall ({mode} checksum) vs memcpy")
-        stalls[mode] = []
+        say(f"state {nbytes / 2**20:.0f} MiB per rank; stall ({kind}) vs memcpy")
+        stalls[kind] = []
         for i in range(args.reps):
             dist.barrier()
             t0 = time.perf_counter()
             dst.copy_(src)
             copies.append(time.perf_counter() - t0)
             dist.barrier()
-            stalls[mode].append(local.snapshot(i + 1))
+            stalls[kind].append(local.snapshot(i + 1))
             local.wait()
         local.close()
         del src, dst
@@ -174,75 +190,62 @@ def rank_main(args: argparse.Namespace) -> None:
 
     # -- training throughput with and without a snapshot every step ---------------------
     say("training with vs without a snapshot every step (interleaved blocks)")
-    results: dict[str, list[float]] = {}
-    for kind, factor in (("inline", 1), ("background", 1), ("replicated", 2)):
-        r = rep if factor == 2 else Replicator(
-            state, store=store, rank=rank, world_size=world, node=rank,
-            config=ReplicationConfig(factor=1, checksum=kind), memory=MemoryConfig(),
-            prefix=f"bench/train-{kind}",
-        )
-        step = 10_000 * factor
+    # Each block of steps runs once without snapshots, then once with each kind of
+    # snapshot (KINDS, then k=2 replication) and once with a control that copies the same
+    # tensors with a plain torch copy into a buffer of the same layout. The added time is
+    # the difference from the block's own run without (drift between blocks cancels), and
+    # the order rotates from block to block (no kind always runs first or last).
+    reps = {kind: local_replicator(state, store, rank, world, kind, f"bench/train-{kind}")
+            for kind in KINDS}
+    reps["replicated"] = rep
+    flat = flatten(state.capture())
+    copy_dst = torch.empty(flat.layout.nbytes, dtype=torch.uint8)
+    copy_pairs = (tensor_views(copy_dst, flat.layout), flat.tensors)
+    step = 10_000
+    for r in reps.values():
         for _ in range(2):  # both slots allocated before the timed blocks
             step += 1
             r.snapshot(step)
             r.wait()
-        # The default mode also runs a control block that copies the same bytes with a
-        # plain memcpy each step: what "no more than the copy itself" costs in the loop.
-        block_kinds = ("none", "snapshot", "copy") if kind == "background" else (
-            "none", "snapshot")
-        if kind == "background":  # the same source tensors, into a buffer of the same layout
-            flat = flatten(state.capture())
-            copy_dst = torch.empty(flat.layout.nbytes, dtype=torch.uint8)
-            copy_pairs = (tensor_views(copy_dst, flat.layout), flat.tensors)
-        diffs, copy_diffs, none_t = [], [], []
-        for _ in range(args.blocks):
-            times = []
-            for block in block_kinds:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.block_steps):
-                    train_step(model, opt, batch)
-                    if block == "snapshot":
-                        step += 1
-                        r.snapshot(step)
-                    elif block == "copy":
-                        torch._foreach_copy_(*copy_pairs)
-                r.wait()
-                times.append((time.perf_counter() - t0) / args.block_steps)
-            none_t.append(times[0])
-            diffs.append(times[1] - times[0])  # adjacent blocks: drift cancels
-            if len(times) > 2:
-                copy_diffs.append(times[2] - times[0])
-        results[kind] = [median(none_t), median(none_t) + median(diffs)]
-        if copy_diffs:
-            results["copy"] = [median(none_t), median(none_t) + median(copy_diffs)]
-            del copy_dst, copy_pairs, flat
-        if r is not rep:
-            r.close()
-    rep.close()
+    kinds = [*reps, "copy"]
+    diffs: dict[str, list[float]] = {kind: [] for kind in kinds}
+    none_t: list[float] = []
+    for b in range(args.blocks):
+        order = kinds[b % len(kinds):] + kinds[: b % len(kinds)]  # rotated: no fixed position
+        times: dict[str, float] = {}
+        for kind in ["none", *order]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.block_steps):
+                train_step(model, opt, batch)
+                if kind == "copy":
+                    torch._foreach_copy_(*copy_pairs)
+                elif kind != "none":
+                    step += 1
+                    reps[kind].snapshot(step)
+            if kind in reps:
+                reps[kind].wait()
+            times[kind] = (time.perf_counter() - t0) / args.block_steps
+        none_t.append(times["none"])
+        for kind in kinds:
+            diffs[kind].append(times[kind] - times["none"])
+    del copy_dst, copy_pairs, flat
+    for r in reps.values():
+        r.close()
 
     if rank == 0:
-        none_s, snap_s = results["background"]
-        bnone_s, bsnap_s = results["inline"]
-        rnone_s, rsnap_s = results["replicated"]
-        cnone_s, ccopy_s = results["copy"]
         out = {
             "state_bytes": nbytes,
-            "stall_s": median(stalls["background"]),
-            "stall_inline_s": median(stalls["inline"]),
+            "stall_s": median(stalls[DEFAULT]),
+            **{f"stall_{kind}_s": median(stalls[kind]) for kind in KINDS},
             "memcpy_s": median(copies),
             "torch_save_s": median(saves),
             "dcp_async_block_s": median(dcp_blocks),
             "replication_s": median(rounds),
             "raw_send_s": median(raws),
-            "step_s_no_snapshot": none_s,
-            "step_s_with_snapshot": snap_s,
-            "step_s_inline_no_snapshot": bnone_s,
-            "step_s_inline": bsnap_s,
-            "step_s_replicated_no_snapshot": rnone_s,
-            "step_s_replicated": rsnap_s,
-            "step_s_copy_no_snapshot": cnone_s,
-            "step_s_with_copy": ccopy_s,
+            "step_s_no_snapshot": median(none_t),
+            "added_s": median(diffs[DEFAULT]),
+            **{f"added_{kind}_s": median(d) for kind, d in diffs.items()},
         }
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -268,7 +271,7 @@ def main() -> None:
     args.layers = args.layers or (4 if q else 8)
     args.reps = args.reps or (11 if q else 31)
     args.save_reps = args.save_reps or (2 if q else 4)
-    args.blocks = args.blocks or (6 if q else 20)
+    args.blocks = args.blocks or (7 if q else 20)
     # Long blocks: each ends by waiting for its last round, which steady training
     # overlaps with the next step; short blocks would overcharge that tail.
     args.block_steps = args.block_steps or (4 if q else 6)
@@ -286,29 +289,26 @@ def main() -> None:
         t0 = time.perf_counter()
         run_ranks("benchmarks.bench_snapshot", args.world_size, [*fwd, "--out", str(out)])
         r = json.loads(out.read_text())
-    added = r["step_s_with_snapshot"] - r["step_s_no_snapshot"]
+    mem, base = r["memcpy_s"], r["step_s_no_snapshot"]
     r.update(
         quick=q,
+        checksum_default=DEFAULT,
+        streaming_kernel=streamcopy.AVAILABLE,
         wall_s=round(time.perf_counter() - t0, 1),
-        stall_over_memcpy=r["stall_s"] / r["memcpy_s"],
+        stall_over_memcpy=r["stall_s"] / mem,
         torch_save_over_stall=r["torch_save_s"] / r["stall_s"],
         dcp_async_block_over_stall=r["dcp_async_block_s"] / r["stall_s"],
         replication_over_raw_send=r["replication_s"] / r["raw_send_s"],
-        train_step_overhead=added / r["step_s_no_snapshot"],
-        overhead_over_copy_cost=added / r["memcpy_s"],
-        stall_inline_over_memcpy=r["stall_inline_s"] / r["memcpy_s"],
-        overhead_over_copy_cost_inline=(
-            (r["step_s_inline"] - r["step_s_inline_no_snapshot"]) / r["memcpy_s"]
-        ),
-        # Control: the same added time over that of a plain copy of the same bytes made
-        # in the training loop (same cache and memory-bandwidth conditions as a snapshot).
-        overhead_over_inloop_copy=added / (r["step_s_with_copy"] - r["step_s_copy_no_snapshot"]),
-        inloop_copy_over_memcpy=(r["step_s_with_copy"] - r["step_s_copy_no_snapshot"])
-        / r["memcpy_s"],
-        train_step_overhead_replicated=(
-            (r["step_s_replicated"] - r["step_s_replicated_no_snapshot"])
-            / r["step_s_replicated_no_snapshot"]
-        ),
+        train_step_overhead=r["added_s"] / base,
+        overhead_over_copy_cost=r["added_s"] / mem,
+        **{f"stall_{kind}_over_memcpy": r[f"stall_{kind}_s"] / mem for kind in KINDS},
+        **{f"overhead_over_copy_cost_{kind}": r[f"added_{kind}_s"] / mem for kind in KINDS},
+        # Controls: the same added time over that of a plain torch copy of the same bytes
+        # made in the training loop (same cache and memory-bandwidth conditions), and what
+        # that copy costs the loop against the isolated memcpy.
+        overhead_over_inloop_copy=r["added_s"] / r["added_copy_s"],
+        inloop_copy_over_memcpy=r["added_copy_s"] / mem,
+        train_step_overhead_replicated=r["added_replicated_s"] / base,
     )
     emit({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
 

@@ -42,9 +42,17 @@ class ReplicationConfig:
     checksum: str = field(
         default="background",
         metadata={
-            "help": "when host snapshots are checksummed: 'inline' (during the copy, least "
-            "CPU) or 'background' (after it, shortest stall)",
+            "help": "when host snapshots are checksummed: 'inline' (each source chunk "
+            "hashed as it is copied: least work) or 'background' (after the copy, on the "
+            "round thread: shortest stall, one more pass over the buffer)",
             "choices": ["inline", "background"],
+        },
+    )
+    streaming_copy: bool = field(
+        default=True,
+        metadata={
+            "help": "copy large host tensors into snapshot slots with streaming "
+            "(non-temporal) stores, where the C kernel is built; false copies with torch",
         },
     )
     dedupe: bool = field(

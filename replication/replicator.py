@@ -157,7 +157,7 @@ class Replicator:
         self.engine = engine or SnapshotEngine(
             state, pin_memory=pin, on_allocate=self._check_layout_budget,
             checksum=self.config.checksum, shared_memory=durable_zero_copy,
-            num_slots=3 if durable_zero_copy else 2,
+            num_slots=3 if durable_zero_copy else 2, streaming=self.config.streaming_copy,
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from replication import checksum, codec
+from replication import checksum, codec, streamcopy
 from replication.layout import (
     FlatState,
     SegmentLayout,
@@ -233,7 +233,7 @@ def shared_keys() -> list[str]:
         return [key for _, _, key in _shared.values()]
 
 
-HASH_CHUNK = 1 << 20  # bytes hashed while still in cache after their copy
+HASH_CHUNK = 1 << 20  # bytes of source hashed, then copied from cache, at a time
 
 
 def segment_trailer(seg: SegmentLayout, skeleton: bytes) -> bytes:
@@ -262,39 +262,53 @@ def segment_digest(seg_bytes: torch.Tensor, seg: SegmentLayout, skeleton: bytes)
     return hasher.hexdigest()
 
 
-def copy_and_digest(slot: SnapshotSlot, flat: FlatState) -> dict[str, str]:
+def copy_and_digest(
+    slot: SnapshotSlot, flat: FlatState, *, streaming: bool = True
+) -> dict[str, str]:
     """Copy host tensors into ``slot`` and checksum each segment in the same pass.
 
-    Hashing each chunk right after copying it reads it from cache rather than DRAM,
-    which costs a fraction of a second pass over the buffer. The digest covers the
-    segment's bytes in buffer order, padding included, then its small trailer (skeleton
-    and layout), so it equals :func:`segment_digest` of the finished buffer.
+    A large contiguous tensor goes in :data:`HASH_CHUNK` pieces: each piece of the
+    *source* is hashed first, which brings it into cache, and is then copied from cache
+    into the slot, with streaming stores where :mod:`replication.streamcopy` has them
+    (``streaming``). So the source is read from DRAM once and the slot is never pulled
+    through the cache. Small or strided tensors are copied by torch and hashed from the
+    slot in runs of at least one chunk. The digest covers the segment's bytes in buffer
+    order, padding included, then its trailer (skeleton and layout), so it equals
+    :func:`segment_digest` of the finished buffer when the copy is right; a copy that
+    went wrong fails verification later, since the digest was taken from the source.
     """
     assert slot.buffer is not None and slot.layout is not None
+    stream = streaming and streamcopy.AVAILABLE
     digests: dict[str, str] = {}
     views, sources = slot.views, flat.tensors
     i = 0
     for seg in slot.layout.segments:
         seg_bytes = slot.buffer[seg.offset : seg.offset + seg.nbytes]
         hasher = checksum.Hasher()
-        hashed = 0
+        hashed = 0  # the segment's bytes up to here are in the hasher
         for spec in seg.tensors:
             dst, src = views[i], sources[i]
             i += 1
             if spec.nbytes <= HASH_CHUNK or not src.is_contiguous():
                 dst.copy_(src)
-            else:
-                src_b = src.reshape(-1).view(torch.uint8)
-                dst_b = seg_bytes[spec.offset : spec.offset + spec.nbytes]
-                for off in range(0, spec.nbytes, HASH_CHUNK):
-                    dst_b[off : off + HASH_CHUNK].copy_(src_b[off : off + HASH_CHUNK])
-                    end = spec.offset + min(off + HASH_CHUNK, spec.nbytes)
+                end = spec.offset + spec.nbytes
+                if end - hashed >= HASH_CHUNK:
                     hasher.update(seg_bytes[hashed:end])
                     hashed = end
-            end = spec.offset + spec.nbytes
-            if end - hashed >= HASH_CHUNK:
-                hasher.update(seg_bytes[hashed:end])
-                hashed = end
+                continue
+            hasher.update(seg_bytes[hashed : spec.offset])  # pending small tensors, padding
+            src_b = src.detach().reshape(-1).view(torch.uint8)
+            src_view = checksum.tensor_bytes(src_b)
+            dst_b = seg_bytes[spec.offset : spec.offset + spec.nbytes]
+            src_at, dst_at = src_b.data_ptr(), dst_b.data_ptr()
+            for off in range(0, spec.nbytes, HASH_CHUNK):
+                n = min(HASH_CHUNK, spec.nbytes - off)
+                hasher.update(src_view[off : off + n])
+                if stream:
+                    streamcopy.copy_bytes(dst_at + off, src_at + off, n)
+                else:
+                    dst_b[off : off + n].copy_(src_b[off : off + n])
+            hashed = spec.offset + spec.nbytes
         hasher.update(seg_bytes[hashed:])
         hasher.update(segment_trailer(seg, flat.skeletons[seg.name]))
         digests[seg.name] = hasher.hexdigest()
@@ -365,6 +379,7 @@ class SnapshotEngine:
         checksum: str = "background",
         shared_memory: bool = False,
         num_slots: int = 2,
+        streaming: bool = True,
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
         caller can check the memory budget with the real snapshot size.
@@ -377,10 +392,14 @@ class SnapshotEngine:
         ``checksum="inline"`` hashes host state during the copy (least total CPU work:
         the bytes are hashed from cache); ``"background"`` leaves hashing to
         :meth:`seal` on the replication thread (shortest stall, one more pass over the
-        buffer, which competes with training when every core is busy)."""
+        buffer, which competes with training when every core is busy).
+
+        ``streaming=True`` copies large host tensors with streaming stores where the C
+        kernel is built (:mod:`replication.streamcopy`); ``False`` copies with torch."""
         if checksum not in ("inline", "background"):
             raise ValueError(f"replication.checksum must be inline or background, got {checksum!r}")
         self.checksum = checksum
+        self.streaming = streaming
         if num_slots < 2:
             raise ValueError(f"a snapshot engine needs at least 2 slots, got num_slots={num_slots}")
         self.state = state
@@ -459,9 +478,9 @@ class SnapshotEngine:
     def _copy(self, slot: SnapshotSlot, flat: FlatState) -> None:
         if all(t.device.type == "cpu" for t in flat.tensors):
             if self.checksum == "inline":
-                slot.digests = copy_and_digest(slot, flat)
-            elif slot.views:  # _foreach_copy_ refuses empty lists
-                torch._foreach_copy_(slot.views, flat.tensors)
+                slot.digests = copy_and_digest(slot, flat, streaming=self.streaming)
+            else:
+                streamcopy.copy_tensors(slot.views, flat.tensors, enabled=self.streaming)
             return
         # GPU path (untested here): enqueue device->pinned copies on a side stream.
         if self._stream is None:

@@ -374,9 +374,12 @@ def test_every_supported_dtype_round_trips(dtype):
     assert_tree_equal(holder.d, {"t": value, "scalar": value[0, 0], "strided": value.t()})
 
 
-def test_large_tensors_checksummed_during_copy_match_the_buffer():
-    """Tensors above the copy/hash chunk size take the chunked path; the digests the
-    capture records must equal a fresh checksum of the finished buffer."""
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "torch-copy"])
+@pytest.mark.parametrize("mode", ["inline", "background"])
+def test_large_tensors_checksummed_during_copy_match_the_buffer(mode: str, streaming: bool):
+    """Tensors above the copy/hash chunk size take the chunked path (``inline``: the
+    source hashed, then copied); in either mode and either copy, the recorded digests
+    must equal a fresh checksum of the finished buffer, and restore must be exact."""
     gen = torch.Generator().manual_seed(1)
     holder = _Dict({
         "small": torch.randn(7, generator=gen),
@@ -384,13 +387,17 @@ def test_large_tensors_checksummed_during_copy_match_the_buffer():
         "flag": torch.ones(3, dtype=torch.bool),
         "big_strided": torch.randn(600, 601, generator=gen).t(),  # > 1 MiB, not contiguous
         "big_i16": torch.randint(-999, 999, (700_000,), dtype=torch.int16, generator=gen),
+        "big_2d": torch.randn(513, 1025, generator=gen),  # > 1 MiB, several dims
+        "param": torch.nn.Parameter(torch.randn(262_145, generator=gen)),  # requires grad
     })
-    expected = {k: v.clone() for k, v in holder.d.items()}
+    expected = {k: v.detach().clone() for k, v in holder.d.items()}
     state = TrainingState(rng=False)
     state.register("x", holder)
     state.register("y", _Dict({"again": torch.randn(400_000, generator=gen)}))
-    engine = SnapshotEngine(state)
+    engine = SnapshotEngine(state, checksum=mode, streaming=streaming)
     slot = engine.capture(0)
+    if mode == "inline":
+        assert slot.digests is not None  # recorded by the copy itself
     meta = engine.seal(slot)
     assert meta.digests == compute_digests(slot.buffer, slot.layout, slot.skeletons)
     holder.d = {}
