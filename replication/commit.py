@@ -11,6 +11,7 @@ leaves the count short.
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch.distributed as dist
@@ -67,6 +68,8 @@ class CommitLedger:
         self.ack_prefix = ack_prefix
         self.committed_key = committed_key
         self.timeout_s = timeout_s
+        self._waiter: dist.Store | None = None  # see wait_committed
+        self._can_clone = True
 
     def ack(self, step: int) -> bool:
         """Acknowledge ``step``; returns True if this call completed the commit."""
@@ -80,24 +83,48 @@ class CommitLedger:
     def wait_committed(self, step: int, timeout_s: float | None = None) -> None:
         """Block until every rank has acknowledged ``step``.
 
-        Polls with short ``check`` calls rather than one long ``store.wait``: a c10d
-        TCPStore client serialises its operations, so a long wait would starve every
-        other thread sharing the client (the watchdog, the training loop) for as long
-        as a dead peer keeps the count short.
+        A c10d TCPStore client serialises its operations, so a long ``store.wait`` on
+        the shared client would starve every other thread using it (the watchdog, the
+        training loop) for as long as a dead peer keeps the count short. Where the store
+        can :meth:`~torch.distributed.Store.clone` itself, the ledger waits on a client
+        of its own, in slices: the server answers the moment the key is set, with no
+        polling round trips (each one wakes the store host's thread and this one, which
+        costs training on a host whose cores are all busy). Elsewhere it polls the
+        shared client with short ``check`` calls.
         """
         timeout = timeout_s or self.timeout_s
         key = f"{self.ack_prefix}/{step}/done"
         deadline = time.monotonic() + timeout
+        waiter = self._own_client()
         delay = 0.0005
-        while not self.store.check([key]):
+        while True:
+            left = deadline - time.monotonic()
+            if waiter is not None:
+                try:
+                    waiter.wait([key], datetime.timedelta(seconds=max(0.001, min(left, 1.0))))
+                    return
+                except dist.DistStoreError:  # this slice timed out: look at the deadline
+                    pass
+            elif self.store.check([key]):
+                return
             if time.monotonic() > deadline:
                 have = self.store.add(f"{self.ack_prefix}/{step}", 0)
                 raise CommitTimeout(
                     f"step {step} was acknowledged by {have}/{self.world_size} ranks within "
                     f"{timeout:.0f}s; it stays uncommitted"
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            if waiter is None:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+
+    def _own_client(self) -> dist.Store | None:
+        """A second connection to the store for blocking waits (None: poll instead)."""
+        if self._waiter is None and self._can_clone:
+            try:
+                self._waiter = self.store.clone()
+            except (AttributeError, RuntimeError, NotImplementedError):
+                self._can_clone = False
+        return self._waiter
 
     def committed_step(self) -> int:
         return committed_step(self.store, self.committed_key)
