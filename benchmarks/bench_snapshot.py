@@ -194,7 +194,11 @@ def rank_main(args: argparse.Namespace) -> None:
     # snapshot (KINDS, then k=2 replication) and once with a control that copies the same
     # tensors with a plain torch copy into a buffer of the same layout. The added time is
     # the difference from the block's own run without (drift between blocks cancels), and
-    # the order rotates from block to block (no kind always runs first or last).
+    # the order rotates from block to block (no kind always runs first or last). A block
+    # snapshots on its first block_steps steps and ends with one step without: the last
+    # round's work (the background hash, the commit) overlaps that step, as it overlaps
+    # the next step in steady training. Its idle tail, waiting for the other rank's
+    # acknowledgement, is not training time and is left out of the timing.
     reps = {kind: local_replicator(state, store, rank, world, kind, f"bench/train-{kind}")
             for kind in KINDS}
     reps["replicated"] = rep
@@ -216,19 +220,21 @@ def rank_main(args: argparse.Namespace) -> None:
         for kind in ["none", *order]:
             dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(args.block_steps):
+            for i in range(args.block_steps + 1):
                 train_step(model, opt, batch)
+                if i == args.block_steps:
+                    break  # one more step, without: the last round's work lands in it
                 if kind == "copy":
                     torch._foreach_copy_(*copy_pairs)
                 elif kind != "none":
                     step += 1
                     reps[kind].snapshot(step)
+            times[kind] = time.perf_counter() - t0
             if kind in reps:
-                reps[kind].wait()
-            times[kind] = (time.perf_counter() - t0) / args.block_steps
-        none_t.append(times["none"])
+                reps[kind].wait()  # untimed: idle until the other rank's ack, see above
+        none_t.append(times["none"] / (args.block_steps + 1))
         for kind in kinds:
-            diffs[kind].append(times[kind] - times["none"])
+            diffs[kind].append((times[kind] - times["none"]) / args.block_steps)
     del copy_dst, copy_pairs, flat
     for r in reps.values():
         r.close()
@@ -272,8 +278,6 @@ def main() -> None:
     args.reps = args.reps or (11 if q else 31)
     args.save_reps = args.save_reps or (2 if q else 4)
     args.blocks = args.blocks or (7 if q else 20)
-    # Long blocks: each ends by waiting for its last round, which steady training
-    # overlaps with the next step; short blocks would overcharge that tail.
     args.block_steps = args.block_steps or (4 if q else 6)
     if args.rank >= 0:
         rank_main(args)
