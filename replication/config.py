@@ -40,7 +40,7 @@ class ReplicationConfig:
         },
     )
     checksum: str = field(
-        default="background",
+        default="inline",
         metadata={
             "help": "when host snapshots are checksummed: 'inline' (each source chunk "
             "hashed as it is copied: least work) or 'background' (after the copy, on the "

@@ -2,8 +2,10 @@
 
 The training loop pays only for copying live tensors into a buffer that already
 exists (allocation is several times slower than the copy). Two slots alternate, so the
-newest committed snapshot stays intact while the next one is written; checksums are
-computed afterwards, off the training thread.
+newest committed snapshot stays intact while the next one is written. Host tensors are
+copied with streaming stores (:mod:`replication.streamcopy`) and, by default, hashed
+chunk by chunk as they are copied (``checksum="inline"``); ``"background"`` hashes the
+finished slot on the replication thread instead.
 
 On GPU hosts the copy is issued on a side CUDA stream into pinned host memory and the
 loop only waits for it before the next in-place update of the weights
@@ -376,7 +378,7 @@ class SnapshotEngine:
         *,
         pin_memory: bool | None = None,
         on_allocate: Any = None,
-        checksum: str = "background",
+        checksum: str = "inline",
         shared_memory: bool = False,
         num_slots: int = 2,
         streaming: bool = True,
@@ -389,10 +391,11 @@ class SnapshotEngine:
         writer that persists straight from them; ``num_slots=3`` then keeps double
         buffering going while one slot is held by such a writer.
 
-        ``checksum="inline"`` hashes host state during the copy (least total CPU work:
-        the bytes are hashed from cache); ``"background"`` leaves hashing to
-        :meth:`seal` on the replication thread (shortest stall, one more pass over the
-        buffer, which competes with training when every core is busy).
+        ``checksum="inline"`` hashes host state during the copy (:func:`copy_and_digest`:
+        the least total work, since the source is read from DRAM once); ``"background"``
+        leaves hashing to :meth:`seal` on the replication thread (the shortest stall,
+        but one more pass over the buffer, which competes with training when every core
+        is busy). ADR 0001 has the measurements behind the default.
 
         ``streaming=True`` copies large host tensors with streaming stores where the C
         kernel is built (:mod:`replication.streamcopy`); ``False`` copies with torch."""
