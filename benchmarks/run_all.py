@@ -26,10 +26,15 @@ BENCHES = {
             "replication_over_raw_send": ("<=", 1.3),
             "overhead_over_copy_cost": ("<=", 1.3),
         },
-        "note": "`overhead_over_copy_cost` is noise-dominated on this 2-core host: 1.00 to "
-                "2.68 over nine quick runs on a quiet host on 2026-11-22 (one run alone "
-                "does not settle it). `overhead_over_inloop_copy` compares with a plain copy "
-                "made inside the same training loop: 0.87 to 1.47.",
+        "note": "Default `replication.checksum=inline` with the streaming copy (ADR 0001, "
+                "0012). Noise-dominated on this 2-core host: one run does not settle "
+                "a figure. Over 6 quick runs on 2026-11-22 (session 5) "
+                "`overhead_over_copy_cost` was 0.45-2.31 (median 1.33; the full run: "
+                "0.73), `stall_over_memcpy` 0.92-1.31 (above 1.25 in 2 of 6) and, in the "
+                "last 3, `torch_save_over_stall` 10.6-30.8 (9.6 in the full run). "
+                "`background` gives the shorter stall "
+                "(`stall_background_over_memcpy`), `torch_copy` is the same run with "
+                "torch's copy instead of the kernel.",
     },
     "bench_recovery": {
         "title": "In-process recovery vs torchrun full restart (issue 3)",
@@ -85,8 +90,8 @@ def render(results: dict, quick: bool) -> str:
         "",
         f"Latest figures (each benchmark's last run; rendered "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}) on "
-        f"{platform.machine()} with {_cpus()} CPU cores, no GPU, "
-        f"{'quick' if quick else 'full'} mode. Every ratio is taken side by side in one run.",
+        f"{platform.machine()} with {_cpus()} CPU cores, no GPU, {_modes(results, quick)}. "
+        "Every ratio is taken side by side in one run.",
         "",
         "Reproduce: `make bench` (full) or `.venv/bin/python -m benchmarks.run_all --quick`;",
         "one benchmark: `.venv/bin/python -m benchmarks.<name> [--quick]` (last stdout line is",
@@ -99,7 +104,8 @@ def render(results: dict, quick: bool) -> str:
         if r is None or "error" in r:
             lines += [f"Did not complete: {r.get('error') if r else 'not run'}", ""]
             continue
-        lines += ["| figure | value | target | met |", "|---|---|---|---|"]
+        lines += [f"{'Quick' if r.get('quick', quick) else 'Full'} mode.", "",
+                  "| figure | value | target | met |", "|---|---|---|---|"]
         for key, (op, bound) in spec["accept"].items():
             v = r.get(key)
             met = "yes" if v is not None and _ok(v, op, bound) else "**no**"
@@ -111,6 +117,14 @@ def render(results: dict, quick: bool) -> str:
         lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(r.items())]
         lines += ["", "</details>", ""]
     return "\n".join(lines) + "\n"
+
+
+def _modes(results: dict, quick: bool) -> str:
+    """'quick mode', 'full mode', or a pointer to each section when runs differ."""
+    modes = {bool(r.get("quick", quick)) for r in results.values() if isinstance(r, dict)}
+    if len(modes) > 1:
+        return "quick or full mode as each section says"
+    return f"{'quick' if (modes.pop() if modes else quick) else 'full'} mode"
 
 
 def _cpus() -> int:
