@@ -40,6 +40,10 @@ class RecoveryPlan:
 
 
 
+FAST_POLLS = 60
+"""Polls made every 5 ms before :func:`join` slows to one every 50 ms (about 0.3 s)."""
+
+
 def join(
     store: dist.Store,
     gen: int,
@@ -58,6 +62,12 @@ def join(
     ``fenced()`` returns a reason when this process no longer owns its rank (its node
     was taken over); it is checked before publishing and every ~100 ms while waiting,
     and raises :class:`Fenced`, so a stale process never stands in for its replacement.
+
+    It polls every 5 ms for the first :data:`FAST_POLLS` polls (a recovery with a warm
+    spare completes within them) and every 50 ms after that. A rendezvous that waits for
+    a process to boot or a node to take over lasts seconds, and at 5 ms each waiting
+    rank sends the store's one serving thread several hundred requests a second, load
+    that competes with every agent's heartbeat on a busy host.
     """
     if (why := fenced()) is not None:
         raise Fenced(why)
@@ -67,7 +77,7 @@ def join(
     seen: dict[int, JoinRecord] = {record.rank: record}
     deadline = time.monotonic() + timeout_s
     for polls in itertools.count(1):
-        if polls % 20 == 0 and (why := fenced()) is not None:
+        if (polls % 20 == 0 or polls > FAST_POLLS) and (why := fenced()) is not None:
             raise Fenced(why)
         if store.check(keys):
             for r, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
@@ -92,7 +102,7 @@ def join(
                 "(no replacement process started for them: is a spare node or spare worker "
                 "available?)"
             )
-        time.sleep(0.005)
+        time.sleep(0.005 if polls < FAST_POLLS else 0.05)
 
 
 def _joined(store: dist.Store, key: str, seen: dict[int, JoinRecord], rank: int) -> bool:
