@@ -198,7 +198,9 @@ def rank_main(args: argparse.Namespace) -> None:
     # snapshots on its first block_steps steps and ends with one step without: the last
     # round's work (the background hash, the commit) overlaps that step, as it overlaps
     # the next step in steady training. Its idle tail, waiting for the other rank's
-    # acknowledgement, is not training time and is left out of the timing.
+    # acknowledgement, is not training time and is left out of the timing. (A k=2 round
+    # can outlast that extra step; what it has left then is not timed either, so
+    # train_step_overhead_replicated may read a little low.)
     reps = {kind: local_replicator(state, store, rank, world, kind, f"bench/train-{kind}")
             for kind in KINDS}
     reps["replicated"] = rep
