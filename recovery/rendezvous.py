@@ -39,7 +39,6 @@ class RecoveryPlan:
         return sorted(self.providers)
 
 
-
 FAST_POLLS = 60
 """Polls made every 5 ms before :func:`join` slows to one every 50 ms (about 0.3 s)."""
 
@@ -60,7 +59,7 @@ def join(
     a record once verified is kept, so clobbering it afterwards changes nothing.
 
     ``fenced()`` returns a reason when this process no longer owns its rank (its node
-    was taken over); it is checked before publishing and every ~100 ms while waiting,
+    was taken over); it is checked before publishing and every 50-100 ms while waiting,
     and raises :class:`Fenced`, so a stale process never stands in for its replacement.
 
     It polls every 5 ms for the first :data:`FAST_POLLS` polls (a recovery with a warm
