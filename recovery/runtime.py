@@ -102,6 +102,7 @@ class Checkpointless:
         self._durable_bytes = 0
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
+        self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
         self.watchdog.start(self.gen)
         # Registered first so it runs last: exit at once if abandoned gloo groups remain.
         process_groups.install_exit_guard()
@@ -240,10 +241,13 @@ class Checkpointless:
             info, self._resumed_from = self._resumed_from, None
             self.log.emit("resumed", step=step, resume_s=time.time() - info["recovered_at"],
                           **info)
+        # Waits of optimizer steps for an overlapped snapshot copy, since the last step.
+        fenced = self.replicator.engine.fence_wait_s
+        fence_s, self._fence_mark = max(0.0, fenced - self._fence_mark), fenced
         if self.rank == 0:
             # the round that snapshot() just waited for (the previous snapshot's), if any
             rnd = self.replicator.last_round if stall is not None else None
-            self.log.emit("step", step=step, gen=self.gen, stall_s=stall,
+            self.log.emit("step", step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
                           replicated=dataclasses.asdict(rnd) if rnd is not None else None)
 
     def _maybe_resume(self) -> int | None:

@@ -55,6 +55,14 @@ class ReplicationConfig:
             "(non-temporal) stores, where the C kernel is built; false copies with torch",
         },
     )
+    overlap_copy: bool = field(
+        default=True,
+        metadata={
+            "help": "copy the tensors only optimizer.step() changes (weights, optimizer "
+            "state) on the replication thread during the next forward and backward pass; "
+            "a pre-hook on optimizer.step() waits for the copy. false copies them in the loop",
+        },
+    )
     dedupe: bool = field(
         default=True,
         metadata={"help": "skip sending state segments the holder already has (pure DP)"},

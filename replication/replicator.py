@@ -158,6 +158,7 @@ class Replicator:
             state, pin_memory=pin, on_allocate=self._check_layout_budget,
             checksum=self.config.checksum, shared_memory=durable_zero_copy,
             num_slots=3 if durable_zero_copy else 2, streaming=self.config.streaming_copy,
+            overlap=self.config.overlap_copy,
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)

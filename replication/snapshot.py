@@ -7,10 +7,13 @@ copied with streaming stores (:mod:`replication.streamcopy`) and, by default, ha
 chunk by chunk as they are copied (``checksum="inline"``); ``"background"`` hashes the
 finished slot on the replication thread instead.
 
-On GPU hosts the copy is issued on a side CUDA stream into pinned host memory and the
-loop only waits for it before the next in-place update of the weights
-(:meth:`SnapshotEngine.before_mutation`). That path is behind ``device``/``pin_memory``
-switches and is untested on this CPU-only machine.
+With ``overlap`` (the replicator's default, ``replication.overlap_copy``) the large
+tensors that only ``optimizer.step()`` changes are copied on the replication thread
+while the loop runs the next forward and backward pass; an optimizer step pre-hook
+fences the copy before the update (:class:`PendingCopy`, ADR 0013). On GPU hosts the
+copy is issued on a side CUDA stream into pinned host memory and the same fence makes
+the compute stream wait for it. That path is behind ``device``/``pin_memory`` switches
+and is untested on this CPU-only machine.
 
 When the durable tier persists snapshots (``shared_memory=True``), the slots live in
 shared memory (a memfd), so the durable writer's helper process reads a snapshot straight
@@ -21,10 +24,12 @@ until its reader is done.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,13 +46,17 @@ from replication.layout import (
     tensor_views,
     unflatten_segment,
 )
-from replication.state import TrainingState
+from replication.state import TrainingState, local_tensor
 
 log = logging.getLogger("checkpointless.replication")
 
 
 class SnapshotError(RuntimeError):
     """A snapshot that is missing, incomplete or fails its checksum."""
+
+
+class SnapshotTorn(SnapshotError):
+    """A tensor changed while an overlapped capture was copying it (see :class:`PendingCopy`)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,8 @@ class SnapshotSlot:
     copy_done: Any = None  # a torch.cuda.Event while an async device copy is in flight
     # wait() of a reader outside the engine that still needs the bytes (SnapshotEngine.hold)
     hold: Callable[[], None] | None = None
+    # the part of an overlapped capture still to be copied (SnapshotEngine.seal does it)
+    pending: PendingCopy | None = None
 
     @property
     def empty(self) -> bool:
@@ -265,7 +276,11 @@ def segment_digest(seg_bytes: torch.Tensor, seg: SegmentLayout, skeleton: bytes)
 
 
 def copy_and_digest(
-    slot: SnapshotSlot, flat: FlatState, *, streaming: bool = True
+    slot: SnapshotSlot,
+    flat: FlatState,
+    *,
+    streaming: bool = True,
+    already_copied: frozenset[int] = frozenset(),
 ) -> dict[str, str]:
     """Copy host tensors into ``slot`` and checksum each segment in the same pass.
 
@@ -278,6 +293,10 @@ def copy_and_digest(
     order, padding included, then its trailer (skeleton and layout), so it equals
     :func:`segment_digest` of the finished buffer when the copy is right; a copy that
     went wrong fails verification later, since the digest was taken from the source.
+
+    ``already_copied`` holds positions in ``flat.tensors`` whose bytes are in the slot
+    already (an overlapped capture copies them on the training thread, see
+    :class:`PendingCopy`): they are hashed from the slot, not copied again.
     """
     assert slot.buffer is not None and slot.layout is not None
     stream = streaming and streamcopy.AVAILABLE
@@ -291,8 +310,9 @@ def copy_and_digest(
         for spec in seg.tensors:
             dst, src = views[i], sources[i]
             i += 1
-            if spec.nbytes <= HASH_CHUNK or not src.is_contiguous():
-                dst.copy_(src)
+            if i - 1 in already_copied or spec.nbytes <= HASH_CHUNK or not src.is_contiguous():
+                if i - 1 not in already_copied:
+                    dst.copy_(src)
                 end = spec.offset + spec.nbytes
                 if end - hashed >= HASH_CHUNK:
                     hasher.update(seg_bytes[hashed:end])
@@ -315,6 +335,146 @@ def copy_and_digest(
         hasher.update(segment_trailer(seg, flat.skeletons[seg.name]))
         digests[seg.name] = hasher.hexdigest()
     return digests
+
+
+DEFER_MIN_BYTES = 64 << 10
+"""An overlapped capture leaves optimizer-owned tensors at least this large to
+:class:`PendingCopy`; smaller ones are copied at once (few bytes, many calls)."""
+
+
+class PendingCopy:
+    """The part of an overlapped capture copied after :meth:`SnapshotEngine.capture` returns.
+
+    It holds the large tensors owned by the registered optimizers (their parameters and
+    their state, such as Adam's moments), which nothing but ``optimizer.step()``
+    changes, so they can be copied while the loop runs the next forward and backward
+    pass. Whoever calls :meth:`run` first does the copy (with the checksum, in one
+    pass): normally the replication round, on its own thread; otherwise the training
+    thread, at the engine's fence before the next optimizer step or restore.
+
+    Each tensor's version counter (which torch bumps on every in-place change it sees)
+    is recorded at capture. A tensor changed before its copy finished makes a torn
+    snapshot: :meth:`run` then raises :class:`SnapshotTorn`, so the step is never
+    committed. Changes through ``.data`` bypass the counter and are not seen; ADR 0013.
+    """
+
+    def __init__(
+        self, slot: SnapshotSlot, flat: FlatState, deferred: list[int], *, streaming: bool
+    ) -> None:
+        self.slot = slot
+        self.step = slot.step
+        self._flat: FlatState | None = flat
+        self._already = frozenset(range(len(flat.tensors))).difference(deferred)
+        self._streaming = streaming
+        self._watched = [(i, flat.tensors[i], flat.tensors[i]._version) for i in deferred]
+        self._lock = threading.Lock()
+        self._claimed = False
+        self.done = threading.Event()
+        self.digests: dict[str, str] | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied off the training thread."""
+        return sum(t.numel() * t.element_size() for _, t, _ in self._watched)
+
+    def run(self) -> dict[str, str]:
+        """Copy and checksum (the first caller), or wait for the copy; the digests."""
+        with self._lock:
+            mine, self._claimed = not self._claimed, True
+        if mine:
+            try:
+                assert self._flat is not None
+                digests = copy_and_digest(self.slot, self._flat, streaming=self._streaming,
+                                          already_copied=self._already)
+                changed = self.changed()
+                if changed:
+                    raise SnapshotTorn(
+                        f"snapshot of step {self.step} is torn: {', '.join(changed[:3])} "
+                        "changed in place while being copied, outside optimizer.step(). "
+                        "Overlapped copies are now off for this run; to keep them off from "
+                        "the start, set replication.overlap_copy=false"
+                    )
+                self.digests = digests
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                self._flat = None  # the sources are live tensors: no reference kept
+                self.done.set()
+        else:
+            self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.digests is not None
+        return self.digests
+
+    def changed(self) -> list[str]:
+        """The tensors whose version changed since the capture, described for messages."""
+        layout = self.slot.layout
+        assert layout is not None
+        out = []
+        for i, t, version in self._watched:
+            if t._version != version:
+                out.append(_describe_tensor(layout, i))
+        return out
+
+
+def _describe_tensor(layout: SnapshotLayout, index: int) -> str:
+    """``state entry 'optim', tensor #3 (float32[2048, 2048])`` for tensor ``index``."""
+    for seg in layout.segments:
+        if index < len(seg.tensors):
+            spec = seg.tensors[index]
+            return f"state entry {seg.name!r}, tensor #{index} ({spec.dtype}{list(spec.shape)})"
+        index -= len(seg.tensors)
+    return f"tensor #{index}"
+
+
+def _optimizer_owned(state: TrainingState) -> tuple[list[torch.optim.Optimizer], set[int]]:
+    """The registered torch optimizers, and the addresses of the host tensors they own
+    (parameters and per-parameter state): what only their ``step()`` changes."""
+    optimizers = [obj for _, obj in state if isinstance(obj, torch.optim.Optimizer)]
+    owned: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                owned.add(local_tensor(p.detach()).data_ptr())
+        for per_param in opt.state.values():
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor):
+                    owned.add(local_tensor(value.detach()).data_ptr())
+    return optimizers, owned
+
+
+def _fence_before_step(
+    engine_ref: weakref.ReferenceType[SnapshotEngine],
+    _optimizer: torch.optim.Optimizer,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """An optimizer step pre-hook: fence the engine's pending copy before any update.
+
+    A step given a closure runs the forward and backward pass inside ``step()``
+    (Lightning's automatic optimization does), after this hook: the closure is wrapped
+    so that the fence comes after it, right before the update, and the copy still
+    overlaps the forward and backward pass.
+    """
+    engine = engine_ref()
+    if engine is None or (engine.pending is None
+                          and all(slot.copy_done is None for slot in engine.slots)):
+        return None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        engine.fence()
+        return None
+
+    def fenced_closure() -> Any:
+        result = closure()
+        engine.fence()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": fenced_closure}
+    return (args[0], fenced_closure, *args[2:]), kwargs
 
 
 def compute_digests(
@@ -369,6 +529,18 @@ def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: Snapsh
     state.restore(states)
 
 
+def _weak_fence(engine: SnapshotEngine) -> Callable[[], None]:
+    """``engine.fence`` without keeping the engine alive (a restore guard on its state)."""
+    ref = weakref.ref(engine)
+
+    def guard() -> None:
+        live = ref()
+        if live is not None:
+            live.fence()
+
+    return guard
+
+
 class SnapshotEngine:
     """Captures a :class:`TrainingState` into two reusable host buffers."""
 
@@ -382,6 +554,7 @@ class SnapshotEngine:
         shared_memory: bool = False,
         num_slots: int = 2,
         streaming: bool = True,
+        overlap: bool = False,
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
         caller can check the memory budget with the real snapshot size.
@@ -398,7 +571,13 @@ class SnapshotEngine:
         is busy). ADR 0001 has the measurements behind the default.
 
         ``streaming=True`` copies large host tensors with streaming stores where the C
-        kernel is built (:mod:`replication.streamcopy`); ``False`` copies with torch."""
+        kernel is built (:mod:`replication.streamcopy`); ``False`` copies with torch.
+
+        ``overlap=True`` makes :meth:`capture` leave the large optimizer-owned host
+        tensors to :meth:`seal` (:class:`PendingCopy`), which the replicator runs on
+        its round thread while the loop goes on. Optimizer step pre-hooks and a restore
+        guard on ``state`` fence the copy (:meth:`fence`) before anything changes those
+        tensors. A seal on the capturing thread is always safe, just not overlapped."""
         if checksum not in ("inline", "background"):
             raise ValueError(f"replication.checksum must be inline or background, got {checksum!r}")
         self.checksum = checksum
@@ -413,19 +592,101 @@ class SnapshotEngine:
         self._lock = threading.Lock()
         self._protected_step = -1  # the committed step; its slot is never overwritten
         self._stream = None
+        self.overlap = overlap
+        self.pending: PendingCopy | None = None  # at most one: every capture fences first
+        self.fence_wait_s = 0.0  # seconds spent in fence() outside capture: overlap's stall
+        self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
+            weakref.WeakKeyDictionary()
+        )
+        if overlap:
+            state.add_restore_guard(_weak_fence(self))
 
     # -- capture ---------------------------------------------------------------------
     def capture(self, step: int) -> SnapshotSlot:
-        """Copy the live state into a free slot. This is the training loop's stall."""
+        """Copy the live state into a free slot. This is the training loop's stall.
+
+        With :attr:`overlap`, the large optimizer-owned host tensors are left to
+        :meth:`seal` (:class:`PendingCopy`) and everything else is copied now: buffers
+        (a forward pass updates batch-norm statistics), RNG, small tensors, anything a
+        user object owns. The skeletons (step counters, learning rates) are taken now.
+        """
+        self._fence()  # no earlier copy may still read the tensors (not counted as a stall)
         flat = flatten(self.state.capture())
         slot = self._free_slot()
         if slot.layout != flat.layout:
             self._allocate(slot, flat)
         slot.step, slot.digests = -1, None  # invalid until fully written
-        self._copy(slot, flat)
+        deferred = self._deferrable(flat) if self.overlap else []
+        if deferred:
+            now = sorted(frozenset(range(len(flat.tensors))).difference(deferred))
+            streamcopy.copy_tensors([slot.views[i] for i in now], [flat.tensors[i] for i in now],
+                                    enabled=self.streaming)
+        else:
+            self._copy(slot, flat)
         slot.skeletons = flat.skeletons
         slot.step = step
+        if deferred:
+            slot.pending = self.pending = PendingCopy(slot, flat, deferred,
+                                                      streaming=self.streaming)
         return slot
+
+    def _deferrable(self, flat: FlatState) -> list[int]:
+        """Positions of the tensors an overlapped capture leaves to :class:`PendingCopy`;
+        hooks every registered optimizer that owns one, so its step fences the copy."""
+        optimizers, owned = _optimizer_owned(self.state)
+        deferred = [
+            i for i, t in enumerate(flat.tensors)
+            if t.device.type == "cpu" and t.is_contiguous() and not t.is_inference()
+            and t.numel() * t.element_size() >= DEFER_MIN_BYTES and t.data_ptr() in owned
+        ]
+        if deferred:
+            self._hook(optimizers)
+        return deferred
+
+    def _hook(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Make each optimizer's step fence this engine's copies first (once each)."""
+        for opt in optimizers:
+            if opt not in self._hooked:
+                self._hooked[opt] = opt.register_step_pre_hook(
+                    functools.partial(_fence_before_step, weakref.ref(self))
+                )
+
+    def fence(self) -> float:
+        """Return once no snapshot copy reads the live tensors; the seconds it took.
+
+        Called before anything changes them: by optimizer step pre-hooks, before a
+        restore, and by :meth:`capture`. A pending copy that no round has started is
+        done here, on the calling thread. On GPU hosts, makes the current stream wait
+        for in-flight device copies. A tensor found changed since the capture (outside
+        ``optimizer.step()``, or the fence would have come first) turns overlapped
+        copies off for this engine, with a warning: this loop cannot use them safely.
+        The time is added to :attr:`fence_wait_s`.
+        """
+        waited = self._fence()
+        self.fence_wait_s += waited
+        return waited
+
+    def _fence(self) -> float:
+        pending, t0 = self.pending, time.perf_counter()
+        if pending is not None:
+            self.pending = None
+            try:
+                pending.run()
+            except BaseException:  # seal() raises it, in the round
+                pass
+            changed = pending.changed()
+            if self.overlap and (changed or isinstance(pending.error, SnapshotTorn)):
+                self.overlap = False
+                log.warning(
+                    "overlapped snapshot copies are off for the rest of this run: %s "
+                    "changed in place between the capture of step %d and the next "
+                    "optimizer.step(); set replication.overlap_copy=false for this loop",
+                    ", ".join(changed[:3]) or "a tensor", pending.step,
+                )
+        for slot in self.slots:
+            if slot.copy_done is not None:  # GPU only (untested here)
+                torch.cuda.current_stream().wait_event(slot.copy_done)
+        return time.perf_counter() - t0
 
     def _free_slot(self) -> SnapshotSlot:
         """The oldest slot that is neither committed nor held by a reader; if every
@@ -485,7 +746,9 @@ class SnapshotEngine:
             else:
                 streamcopy.copy_tensors(slot.views, flat.tensors, enabled=self.streaming)
             return
-        # GPU path (untested here): enqueue device->pinned copies on a side stream.
+        # GPU path (untested here): enqueue device->pinned copies on a side stream; the
+        # optimizers' step pre-hooks make the compute stream wait for them (fence()).
+        self._hook(_optimizer_owned(self.state)[0])
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
@@ -497,21 +760,17 @@ class SnapshotEngine:
             slot.copy_done = torch.cuda.Event()
             slot.copy_done.record(self._stream)
 
-    def before_mutation(self) -> None:
-        """Make the compute stream wait for in-flight snapshot copies (GPU only).
-
-        Call before the optimizer updates weights in place; a no-op on CPU, where the
-        copy has already finished when :meth:`capture` returns.
-        """
-        for slot in self.slots:
-            if slot.copy_done is not None:
-                torch.cuda.current_stream().wait_event(slot.copy_done)
-
     def seal(self, slot: SnapshotSlot) -> SnapshotMeta:
-        """Wait for an async device copy and checksum it (off the training thread).
+        """Finish ``slot`` and checksum it (off the training thread, in the replicator).
 
-        Host-resident state was already checksummed during the copy.
+        Does an overlapped capture's pending copy (:class:`PendingCopy`, raising
+        :class:`SnapshotTorn` if it is torn), waits for an async device copy, and
+        hashes what the capture did not already hash.
         """
+        pending = slot.pending
+        if pending is not None:
+            slot.digests = pending.run()
+            slot.pending = None
         if slot.copy_done is not None:
             slot.copy_done.synchronize()
             slot.copy_done = None

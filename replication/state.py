@@ -10,7 +10,7 @@ Python, NumPy, torch and CUDA generators roll back with the model.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -63,6 +63,7 @@ class TrainingState:
 
     def __init__(self, *, rng: bool = True) -> None:
         self._entries: dict[str, Stateful] = {}
+        self._restore_guards: list[Callable[[], None]] = []
         if rng:
             self.register("rng", RNGState())
 
@@ -77,6 +78,14 @@ class TrainingState:
                 f"state {name!r} ({type(obj).__qualname__}) has no state_dict/load_state_dict"
             )
         self._entries[name] = obj
+
+    def add_restore_guard(self, guard: Callable[[], None]) -> None:
+        """Call ``guard()`` before every :meth:`restore` writes the live objects.
+
+        A snapshot engine that copies tensors off the training thread registers its
+        fence here, so no restore writes a tensor while a snapshot still reads it.
+        """
+        self._restore_guards.append(guard)
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -101,6 +110,8 @@ class TrainingState:
         missing = [n for n in self._entries if n not in states]
         if missing:
             raise KeyError(f"snapshot has no state for registered entries {missing}")
+        for guard in self._restore_guards:
+            guard()
         for name, obj in self._entries.items():
             if isinstance(obj, torch.nn.Module):
                 _restore_module(obj, states[name])
