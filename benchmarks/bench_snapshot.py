@@ -4,12 +4,13 @@ Two processes (one per simulated node, one torch thread each on this 2-core host
 hold a model whose training state (fp32 weights plus Adam's two moments) is a few
 hundred MB. Every figure is measured in the same run on the same bytes:
 
-- ``stall_s``: the training loop's blocking time for one snapshot made the default way
-  (``replication.checksum``'s default, with the streaming copy where the kernel is
-  built); ``stall_<kind>_s`` for each of :data:`KINDS`: ``inline`` (each source chunk
-  hashed, then streamed into the slot), ``background`` (the copy only; the hash runs
-  on the round thread) and ``torch_copy`` (the default mode copying with torch: the
-  streaming kernel's control);
+- ``stall_s``: the training loop's blocking time per snapshot made the default way
+  (``default_kind``), measured in the training blocks below: the time in
+  ``snapshot()`` plus the time optimizer steps wait at the fence for an overlapped copy
+  to finish. ``stall_<kind>_s`` for each of :data:`KINDS` (``overlap``, ``inline``,
+  ``background``, ``torch_copy``: see :data:`CONFIGS`); ``stall_isolated_<kind>_s``:
+  the same with nothing run between the snapshot and its fence, so an overlapped copy
+  has nothing to overlap;
 - ``memcpy_s``: one flat copy of the same number of bytes into preallocated memory,
   both ranks at once, as their snapshots are;
 - ``torch_save_s``: a synchronous ``torch.save`` of the same state plus fsync;
@@ -60,21 +61,32 @@ def build(width: int, layers: int, seed: int) -> tuple[torch.nn.Module, torch.op
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-DEFAULT = ReplicationConfig().checksum
-"""The default checksum mode: ``stall_s`` and ``overhead_over_copy_cost`` measure it."""
-KINDS = ("inline", "background", "torch_copy")
-"""Ways of snapshotting, each timed: the two checksum modes with the streaming copy, and
-the default mode copying with torch instead (the streaming kernel's same-run control)."""
+CONFIGS = {
+    "overlap": ReplicationConfig(factor=1, overlap_copy=True, checksum="inline"),
+    "inline": ReplicationConfig(factor=1, overlap_copy=False, checksum="inline"),
+    "background": ReplicationConfig(factor=1, overlap_copy=False, checksum="background"),
+    "torch_copy": ReplicationConfig(factor=1, overlap_copy=False, checksum="inline",
+                                    streaming_copy=False),
+}
+"""Ways of snapshotting, each timed (k=1: snapshot and commit, no peer copy).
+``overlap``: the optimizer-owned tensors copied (and hashed) on the round thread during
+the next forward and backward pass; the others copy in the loop: ``inline`` (each source
+chunk hashed, then streamed into the slot), ``background`` (the copy only; the hash runs
+on the round thread) and ``torch_copy`` (``inline`` copying with torch: the streaming
+kernel's same-run control)."""
+KINDS = tuple(CONFIGS)
+_defaults = ReplicationConfig()
+DEFAULT = "overlap" if _defaults.overlap_copy else _defaults.checksum
+"""The default way: ``stall_s`` and ``overhead_over_copy_cost`` measure it."""
+assert CONFIGS[DEFAULT].checksum == _defaults.checksum
 
 
 def local_replicator(
     state: TrainingState, store: dist.Store, rank: int, world: int, kind: str, prefix: str
 ) -> Replicator:
-    """A k=1 replicator (snapshot and commit, no peer copy) for one of :data:`KINDS`."""
-    config = (ReplicationConfig(factor=1, checksum=DEFAULT, streaming_copy=False)
-              if kind == "torch_copy" else ReplicationConfig(factor=1, checksum=kind))
+    """A k=1 replicator for one of :data:`KINDS`."""
     return Replicator(state, store=store, rank=rank, world_size=world, node=rank,
-                      config=config, memory=MemoryConfig(), prefix=prefix)
+                      config=CONFIGS[kind], memory=MemoryConfig(), prefix=prefix)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
@@ -106,6 +118,9 @@ def rank_main(args: argparse.Namespace) -> None:
     say = progress if rank == 0 else (lambda _m: None)
 
     # -- local snapshot stall vs memcpy (interleaved), for each way of snapshotting ------
+    # Isolated: nothing runs between the snapshot and the fence, so an overlapped copy
+    # has nothing to overlap and its fence waits for all of it. The loop's stall_s is
+    # measured in the training blocks below.
     stalls: dict[str, list[float]] = {}
     copies: list[float] = []
     for kind in KINDS:
@@ -125,7 +140,7 @@ def rank_main(args: argparse.Namespace) -> None:
             dst.copy_(src)
             copies.append(time.perf_counter() - t0)
             dist.barrier()
-            stalls[kind].append(local.snapshot(i + 1))
+            stalls[kind].append(local.snapshot(i + 1) + local.engine.fence())
             local.wait()
         local.close()
         del src, dst
@@ -215,11 +230,14 @@ def rank_main(args: argparse.Namespace) -> None:
             r.wait()
     kinds = [*reps, "copy"]
     diffs: dict[str, list[float]] = {kind: [] for kind in kinds}
+    loop_stalls: dict[str, list[float]] = {kind: [] for kind in reps}
     none_t: list[float] = []
     for b in range(args.blocks):
         order = kinds[b % len(kinds):] + kinds[: b % len(kinds)]  # rotated: no fixed position
         times: dict[str, float] = {}
         for kind in ["none", *order]:
+            blocked = 0.0  # in snapshot() and in optimizer steps' fences: the loop's stall
+            fenced = reps[kind].engine.fence_wait_s if kind in reps else 0.0
             dist.barrier()
             t0 = time.perf_counter()
             for i in range(args.block_steps + 1):
@@ -230,9 +248,11 @@ def rank_main(args: argparse.Namespace) -> None:
                     torch._foreach_copy_(*copy_pairs)
                 elif kind != "none":
                     step += 1
-                    reps[kind].snapshot(step)
+                    blocked += reps[kind].snapshot(step)
             times[kind] = time.perf_counter() - t0
             if kind in reps:
+                blocked += reps[kind].engine.fence_wait_s - fenced
+                loop_stalls[kind].append(blocked / args.block_steps)
                 reps[kind].wait()  # untimed: idle until the other rank's ack, see above
         none_t.append(times["none"] / (args.block_steps + 1))
         for kind in kinds:
@@ -244,8 +264,9 @@ def rank_main(args: argparse.Namespace) -> None:
     if rank == 0:
         out = {
             "state_bytes": nbytes,
-            "stall_s": median(stalls[DEFAULT]),
-            **{f"stall_{kind}_s": median(stalls[kind]) for kind in KINDS},
+            "stall_s": median(loop_stalls[DEFAULT]),
+            **{f"stall_{kind}_s": median(loop_stalls[kind]) for kind in KINDS},
+            **{f"stall_isolated_{kind}_s": median(stalls[kind]) for kind in KINDS},
             "memcpy_s": median(copies),
             "torch_save_s": median(saves),
             "dcp_async_block_s": median(dcp_blocks),
@@ -279,7 +300,7 @@ def main() -> None:
     args.layers = args.layers or (4 if q else 8)
     args.reps = args.reps or (11 if q else 31)
     args.save_reps = args.save_reps or (2 if q else 4)
-    args.blocks = args.blocks or (7 if q else 20)
+    args.blocks = args.blocks or (6 if q else 20)
     args.block_steps = args.block_steps or (4 if q else 6)
     if args.rank >= 0:
         rank_main(args)
@@ -298,7 +319,7 @@ def main() -> None:
     mem, base = r["memcpy_s"], r["step_s_no_snapshot"]
     r.update(
         quick=q,
-        checksum_default=DEFAULT,
+        default_kind=DEFAULT,
         streaming_kernel=streamcopy.AVAILABLE,
         wall_s=round(time.perf_counter() - t0, 1),
         stall_over_memcpy=r["stall_s"] / mem,
@@ -308,6 +329,8 @@ def main() -> None:
         train_step_overhead=r["added_s"] / base,
         overhead_over_copy_cost=r["added_s"] / mem,
         **{f"stall_{kind}_over_memcpy": r[f"stall_{kind}_s"] / mem for kind in KINDS},
+        **{f"stall_isolated_{kind}_over_memcpy": r[f"stall_isolated_{kind}_s"] / mem
+           for kind in KINDS},
         **{f"overhead_over_copy_cost_{kind}": r[f"added_{kind}_s"] / mem for kind in KINDS},
         # Controls: the same added time over that of a plain torch copy of the same bytes
         # made in the training loop (same cache and memory-bandwidth conditions), and what

@@ -287,7 +287,7 @@ class Replicator:
     # -- the background round --------------------------------------------------------
     def _round(self, slot: SnapshotSlot) -> RoundStats:
         t0 = time.perf_counter()
-        meta = self.engine.seal(slot)
+        meta = self.engine.seal(slot, low_priority=True)  # an overlapped copy, niced
         t_sealed = time.perf_counter()
         sent, received, skipped = self._exchange(meta, slot)
         if self._fault_hook is not None:

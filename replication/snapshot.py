@@ -24,6 +24,7 @@ until its reader is done.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -529,6 +530,35 @@ def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: Snapsh
     state.restore(states)
 
 
+COPY_NICE = 19
+"""The nice value of the thread that does an overlapped copy (the lowest priority)."""
+
+
+def run_niced(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on a new thread at nice :data:`COPY_NICE` and wait for it; its result
+    and any exception are dropped (:meth:`PendingCopy.run` keeps them).
+
+    An overlapped copy competes with the training step for cores. Where a core is idle
+    (most GPU hosts) the scheduler runs it there at once; where every core is busy (the
+    2-core CI host, two ranks) it takes only the step's idle moments, such as waits in
+    collectives, and the rest when the optimizer step's fence blocks the training thread
+    on it. Measured in ``bench_snapshot``: ADR 0013. Linux sets nice per thread; a
+    fresh thread may always lower its own priority, so no privilege is needed, and the
+    thread ends with the copy, so nothing has to raise it again. Elsewhere the call
+    fails and the copy runs at normal priority.
+    """
+
+    def body() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COPY_NICE)
+        with contextlib.suppress(BaseException):
+            fn()
+
+    worker = threading.Thread(target=body, name="checkpointless-copy", daemon=True)
+    worker.start()
+    worker.join()
+
+
 def _weak_fence(engine: SnapshotEngine) -> Callable[[], None]:
     """``engine.fence`` without keeping the engine alive (a restore guard on its state)."""
     ref = weakref.ref(engine)
@@ -760,16 +790,19 @@ class SnapshotEngine:
             slot.copy_done = torch.cuda.Event()
             slot.copy_done.record(self._stream)
 
-    def seal(self, slot: SnapshotSlot) -> SnapshotMeta:
+    def seal(self, slot: SnapshotSlot, *, low_priority: bool = False) -> SnapshotMeta:
         """Finish ``slot`` and checksum it (off the training thread, in the replicator).
 
         Does an overlapped capture's pending copy (:class:`PendingCopy`, raising
         :class:`SnapshotTorn` if it is torn), waits for an async device copy, and
-        hashes what the capture did not already hash.
+        hashes what the capture did not already hash. ``low_priority`` does the pending
+        copy on a thread of its own at the lowest CPU priority (:func:`run_niced`).
         """
         pending = slot.pending
         if pending is not None:
-            slot.digests = pending.run()
+            if low_priority:
+                run_niced(pending.run)
+            slot.digests = pending.run()  # the digests, or the copy's error
             slot.pending = None
         if slot.copy_done is not None:
             slot.copy_done.synchronize()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from typing import Any
 
@@ -17,10 +18,12 @@ import torch
 
 from replication.config import ReplicationConfig
 from replication.snapshot import (
+    COPY_NICE,
     DEFER_MIN_BYTES,
     SnapshotEngine,
     SnapshotTorn,
     compute_digests,
+    run_niced,
 )
 from replication.state import TrainingState
 from tests.helpers.training import assert_tree_equal
@@ -206,3 +209,25 @@ def test_the_engine_keeps_no_hook_alive_and_the_replicator_overlaps_by_default()
     del engine
     _step(model, opt, batch)  # a dead engine's hook does nothing
     assert ReplicationConfig().overlap_copy is True
+
+
+def test_a_round_does_the_copy_on_a_thread_at_the_lowest_priority():
+    seen: list[tuple[int, int]] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    run_niced(probe)
+    assert seen and seen[0][0] != threading.get_native_id()
+    assert seen[0][1] == COPY_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+    engine, model, opt, batch = _setup()
+    expected = _live(model, opt)
+    slot = engine.capture(1)
+    meta = engine.seal(slot, low_priority=True)
+    assert meta.digests == compute_digests(slot.buffer, slot.layout, slot.skeletons)
+    _step(model, opt, batch)
+    assert_tree_equal(_restored(engine, 1, model, opt), expected)
