@@ -63,6 +63,14 @@ class ReplicationConfig:
             "a pre-hook on optimizer.step() waits for the copy. false copies them in the loop",
         },
     )
+    overlap_min_bytes: int = field(
+        default=64 << 10,
+        metadata={
+            "help": "with overlap_copy, optimizer-owned tensors smaller than this are "
+            "copied in the loop all the same (per-tensor cost outweighs their bytes)",
+            "min": 0,
+        },
+    )
     dedupe: bool = field(
         default=True,
         metadata={"help": "skip sending state segments the holder already has (pure DP)"},

@@ -1,10 +1,13 @@
 """Snapshot, replicate, commit: the per-step pipeline, run off the training thread.
 
 ``Replicator.snapshot(step)`` is all the training loop calls. It copies the live state
-into a free local buffer (the only part the loop waits for) and hands the rest of the
-round to a background thread:
+into a free local buffer (the only part the loop waits for; with
+``replication.overlap_copy`` only what anything but ``optimizer.step()`` may change)
+and hands the rest of the round to a background thread:
 
-1. seal: per-segment checksums of the new snapshot;
+1. seal: the overlapped part of the copy, on a thread at the lowest CPU priority,
+   while the loop runs the next forward and backward pass (ADR 0013), and per-segment
+   checksums of the new snapshot;
 2. announce: an all-gather on the side group of (step, metadata size, segment
    fingerprints), so every rank knows what every peer holds;
 3. transfer: each rank sends its metadata and the segments its holders do not already
@@ -97,6 +100,7 @@ class RoundStats:
     bytes_sent: int
     bytes_received: int
     segments_skipped: int
+    overlapped_bytes: int = 0  # copied by the round for an overlapped capture
 
 
 def _fingerprint(meta: SnapshotMeta, i: int) -> int:
@@ -158,7 +162,7 @@ class Replicator:
             state, pin_memory=pin, on_allocate=self._check_layout_budget,
             checksum=self.config.checksum, shared_memory=durable_zero_copy,
             num_slots=3 if durable_zero_copy else 2, streaming=self.config.streaming_copy,
-            overlap=self.config.overlap_copy,
+            overlap=self.config.overlap_copy, overlap_min_bytes=self.config.overlap_min_bytes,
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)
@@ -287,6 +291,7 @@ class Replicator:
     # -- the background round --------------------------------------------------------
     def _round(self, slot: SnapshotSlot) -> RoundStats:
         t0 = time.perf_counter()
+        overlapped = slot.pending.nbytes if slot.pending is not None else 0
         meta = self.engine.seal(slot, low_priority=True)  # an overlapped copy, niced
         t_sealed = time.perf_counter()
         sent, received, skipped = self._exchange(meta, slot)
@@ -301,7 +306,7 @@ class Replicator:
             self.ledger.forget(meta.step - 2 * self.config.every_n_steps)
         return RoundStats(
             meta.step, t_sealed - t0, t_moved - t_sealed, time.perf_counter() - t_moved,
-            sent, received, skipped,
+            sent, received, skipped, overlapped,
         )
 
     def _announce(self, meta: SnapshotMeta, meta_len: int) -> list[tuple[int, int, set[int]]]:

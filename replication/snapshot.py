@@ -339,8 +339,8 @@ def copy_and_digest(
 
 
 DEFER_MIN_BYTES = 64 << 10
-"""An overlapped capture leaves optimizer-owned tensors at least this large to
-:class:`PendingCopy`; smaller ones are copied at once (few bytes, many calls)."""
+"""By default an overlapped capture leaves optimizer-owned tensors at least this large
+to :class:`PendingCopy`; smaller ones are copied at once (few bytes, many calls)."""
 
 
 class PendingCopy:
@@ -585,6 +585,7 @@ class SnapshotEngine:
         num_slots: int = 2,
         streaming: bool = True,
         overlap: bool = False,
+        overlap_min_bytes: int = DEFER_MIN_BYTES,
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
         caller can check the memory budget with the real snapshot size.
@@ -607,7 +608,8 @@ class SnapshotEngine:
         tensors to :meth:`seal` (:class:`PendingCopy`), which the replicator runs on
         its round thread while the loop goes on. Optimizer step pre-hooks and a restore
         guard on ``state`` fence the copy (:meth:`fence`) before anything changes those
-        tensors. A seal on the capturing thread is always safe, just not overlapped."""
+        tensors. A seal on the capturing thread is always safe, just not overlapped.
+        Optimizer-owned tensors under ``overlap_min_bytes`` are copied at capture."""
         if checksum not in ("inline", "background"):
             raise ValueError(f"replication.checksum must be inline or background, got {checksum!r}")
         self.checksum = checksum
@@ -623,6 +625,7 @@ class SnapshotEngine:
         self._protected_step = -1  # the committed step; its slot is never overwritten
         self._stream = None
         self.overlap = overlap
+        self.overlap_min_bytes = overlap_min_bytes
         self.pending: PendingCopy | None = None  # at most one: every capture fences first
         self.fence_wait_s = 0.0  # seconds spent in fence() outside capture: overlap's stall
         self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
@@ -667,7 +670,8 @@ class SnapshotEngine:
         deferred = [
             i for i, t in enumerate(flat.tensors)
             if t.device.type == "cpu" and t.is_contiguous() and not t.is_inference()
-            and t.numel() * t.element_size() >= DEFER_MIN_BYTES and t.data_ptr() in owned
+            and t.numel() * t.element_size() >= self.overlap_min_bytes
+            and t.data_ptr() in owned
         ]
         if deferred:
             self._hook(optimizers)

@@ -231,3 +231,24 @@ def test_a_round_does_the_copy_on_a_thread_at_the_lowest_priority():
     assert meta.digests == compute_digests(slot.buffer, slot.layout, slot.skeletons)
     _step(model, opt, batch)
     assert_tree_equal(_restored(engine, 1, model, opt), expected)
+
+
+def test_overlap_min_bytes_zero_defers_every_optimizer_owned_tensor():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batch = torch.randn(8, 256)
+    _step(model, opt, batch)
+    state = TrainingState(rng=False)
+    state.register("model", model)
+    state.register("optim", opt)
+    engine = SnapshotEngine(state, overlap=True, overlap_min_bytes=0)
+    expected = _live(model, opt)
+    slot = engine.capture(1)
+    assert slot.pending is not None
+    params = list(model.parameters())
+    owned = params + [v for p in params for v in opt.state[p].values()]  # Adam's step too
+    assert {t.data_ptr() for _, t, _ in slot.pending._watched} == {t.data_ptr() for t in owned}
+    _step(model, opt, batch)
+    engine.seal(slot)
+    assert_tree_equal(_restored(engine, 1, model, opt), expected)

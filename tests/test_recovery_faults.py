@@ -80,6 +80,25 @@ def test_sigkill_one_worker(tmp_path, reference, rank, phase, spares):
     assert job.events("job_done")[0]["recoveries"] == 1
 
 
+@pytest.mark.parametrize("phase", ["forward", "snapshot"])
+def test_sigkill_with_every_optimizer_tensor_copied_overlapped(tmp_path, reference, phase):
+    """``replication.overlap_min_bytes=0``: every weight and optimizer tensor of this small
+    model is copied by the round while the next step runs (ADR 0013), so failures,
+    rollbacks and a replacement go through the overlapped copy and its fences. The
+    result must equal the reference run, whose snapshots copy them in the loop."""
+    job = run_job(tmp_path / "run", spares=1, overrides=[
+        f"recovery.fault=1:{FAULT_STEP}:{phase}", "replication.overlap_min_bytes=0"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    assert_recovered(job)
+    _assert_replaced(job, 1, spare=True)
+    rounds = [e["replicated"] for e in job.events("step") if e.get("replicated")]
+    assert rounds and all(r["overlapped_bytes"] > 0 for r in rounds), rounds[:3]
+    assert not [e for e in reference.events("step")
+                if (e.get("replicated") or {}).get("overlapped_bytes")], \
+        "the reference run's model is under the default overlap_min_bytes"
+
+
 def test_sigkill_during_replication(tmp_path, reference):
     """Killed after sending its replica, before acknowledging the step.
 
