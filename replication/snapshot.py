@@ -431,9 +431,10 @@ def _describe_tensor(layout: SnapshotLayout, index: int) -> str:
 
 
 def _optimizer_owned(state: TrainingState) -> tuple[list[torch.optim.Optimizer], set[int]]:
-    """The registered torch optimizers, and the addresses of the host tensors they own
-    (parameters and per-parameter state): what only their ``step()`` changes."""
-    optimizers = [obj for _, obj in state if isinstance(obj, torch.optim.Optimizer)]
+    """The state's torch optimizers (registered or declared), and the addresses of the
+    host tensors they own (parameters and per-parameter state): what only their
+    ``step()`` changes."""
+    optimizers = state.optimizers()
     owned: set[int] = set()
     for opt in optimizers:
         for group in opt.param_groups:

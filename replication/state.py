@@ -10,7 +10,7 @@ Python, NumPy, torch and CUDA generators roll back with the model.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -64,6 +64,7 @@ class TrainingState:
     def __init__(self, *, rng: bool = True) -> None:
         self._entries: dict[str, Stateful] = {}
         self._restore_guards: list[Callable[[], None]] = []
+        self._declared_optimizers: list[torch.optim.Optimizer] = []
         if rng:
             self.register("rng", RNGState())
 
@@ -86,6 +87,22 @@ class TrainingState:
         fence here, so no restore writes a tensor while a snapshot still reads it.
         """
         self._restore_guards.append(guard)
+
+    def declare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Name optimizers whose tensors the entries reach without registering them.
+
+        A framework's checkpoint dictionary (the Lightning integration's entries)
+        holds the weights and optimizer state without the optimizer being an entry of
+        its own. Declaring it lets a snapshot engine copy those tensors while the next
+        step runs, fenced by the optimizer's ``step()`` (ADR 0013). Each call replaces
+        the previous list: a framework may build new optimizers when it resumes.
+        """
+        self._declared_optimizers = list(optimizers)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The registered torch optimizers, then the declared ones not registered."""
+        found = [obj for _, obj in self if isinstance(obj, torch.optim.Optimizer)]
+        return found + [o for o in self._declared_optimizers if all(o is not f for f in found)]
 
     def names(self) -> list[str]:
         return list(self._entries)

@@ -74,15 +74,21 @@ def test_worker_sigkill_and_node_loss_end_bit_identical(tmp_path, reference):
 
 def test_failure_during_validation(tmp_path, reference):
     """Rank 1 dies inside validation (after step 4); the job replays from the last
-    committed step, validates again and ends bit-identical."""
+    committed step, validates again and ends bit-identical.
+
+    With ``replication.overlap_min_bytes=0`` every weight and optimizer tensor is
+    copied by the round (ADR 0013): Lightning runs forward and backward inside
+    ``optimizer.step(closure)``, so the copy is fenced from inside the closure."""
     job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=1, script=SCRIPT,
                   script_args=(*ARGS, "--kill-in-validation", "1:4"), timeout_s=300,
-                  overrides=list(FAST))
+                  overrides=[*FAST, "replication.overlap_min_bytes=0"])
     assert_succeeded(job)
     assert (job.run_dir / "killed-in-validation").exists(), job.output()
     assert_same_final(reference, job)
     [recs] = _gens(job).values()
     assert recs[0]["target_step"] <= 4 and len(recs) == 4
+    rounds = [e["replicated"] for e in job.events("step") if e.get("replicated")]
+    assert rounds and all(r["overlapped_bytes"] > 0 for r in rounds), rounds[:3]
 
 
 def test_failure_in_the_first_step_after_a_recovery(tmp_path, reference):

@@ -252,3 +252,39 @@ def test_overlap_min_bytes_zero_defers_every_optimizer_owned_tensor():
     _step(model, opt, batch)
     engine.seal(slot)
     assert_tree_equal(_restored(engine, 1, model, opt), expected)
+
+
+class _Checkpoint:
+    """A framework-style entry: a checkpoint dictionary built from live objects."""
+
+    def __init__(self, model: Net, opt: Any) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optim"])
+
+
+def test_declared_optimizers_own_tensors_reached_through_other_entries():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batch = torch.randn(8, 256)
+    _step(model, opt, batch)
+    state = TrainingState(rng=False)
+    state.register("ckpt", _Checkpoint(model, opt))
+    engine = SnapshotEngine(state, overlap=True)
+    engine.seal(engine.capture(1))
+    assert engine.slots[0].pending is None and not opt._optimizer_step_pre_hooks
+    state.declare_optimizers([opt])
+    assert state.optimizers() == [opt]
+    expected = _live(model, opt)
+    slot = engine.capture(2)
+    assert slot.pending is not None and slot.pending.nbytes == 3 * 256 * 256 * 4
+    _step(model, opt, batch)  # the declared optimizer's hook fences the copy
+    engine.seal(slot)
+    engine.restore(2)
+    assert_tree_equal(_live(model, opt), expected)

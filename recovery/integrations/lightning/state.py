@@ -14,7 +14,7 @@ snapshot codec refuses, and they never change during a run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from replication.codec import CodecError, encode
@@ -135,7 +135,13 @@ class LightningState:
             return self._cache[name]
         return {}
 
-    def refresh(self, dump: Callable[[], dict[str, Any]], at: str) -> None:
+    def refresh(
+        self, dump: Callable[[], dict[str, Any]], at: str, optimizers: Iterable[Any] = ()
+    ) -> None:
+        """Take the live checkpoint dictionary for the next capture. ``optimizers`` (the
+        trainer's) own the weights and optimizer state in it: declared to the registry,
+        the snapshot copies their tensors while the next step's closure runs."""
+        self.registry.declare_optimizers(optimizers)
         checkpoint = dump()
         if not self._checked:  # a clear message naming the key, once; later: codec errors
             check_encodable(checkpoint)

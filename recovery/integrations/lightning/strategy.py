@@ -382,7 +382,8 @@ class CheckpointlessStrategy(DDPStrategy):
 
     def _end_step(self, trainer: Any, step: int, snapshot: bool, at: str) -> None:
         if snapshot:
-            self.lstate.refresh(lambda: self._dump(trainer), at=at)
+            self.lstate.refresh(lambda: self._dump(trainer), at=at,
+                                optimizers=trainer.optimizers)
         try:
             self.session.end_step(step, snapshot=snapshot)
         finally:
@@ -434,7 +435,7 @@ class CheckpointlessStrategy(DDPStrategy):
                 checkpoint["loops"] = loaded
             return checkpoint
 
-        self.lstate.refresh(dump, at="train_start")
+        self.lstate.refresh(dump, at="train_start", optimizers=trainer.optimizers)
         try:
             self.session.commit_initial(step)
         finally:
