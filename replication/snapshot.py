@@ -650,6 +650,7 @@ class SnapshotEngine:
         if slot.layout != flat.layout:
             self._allocate(slot, flat)
         slot.step, slot.digests = -1, None  # invalid until fully written
+        slot.pending = None  # one a round abandoned unsealed is stale now
         deferred = self._deferrable(flat) if self.overlap else []
         if deferred:
             now = sorted(frozenset(range(len(flat.tensors))).difference(deferred))

@@ -288,3 +288,20 @@ def test_declared_optimizers_own_tensors_reached_through_other_entries():
     engine.seal(slot)
     engine.restore(2)
     assert_tree_equal(_live(model, opt), expected)
+
+
+def test_a_slot_reused_after_an_unsealed_overlapped_capture_gets_fresh_digests():
+    """A round abandoned before sealing leaves its PendingCopy on the slot; the next
+    capture into that slot must not hand out the old copy's digests."""
+    engine, model, opt, batch = _setup()
+    engine.capture(1)  # its round never runs
+    _step(model, opt, batch)  # the fence copies it
+    engine.overlap = False
+    engine.seal(engine.capture(2))
+    engine.protect(2)
+    _step(model, opt, batch)
+    expected = _live(model, opt)
+    slot = engine.capture(3)  # reuses step 1's slot
+    meta = engine.seal(slot)
+    assert meta.digests == compute_digests(slot.buffer, slot.layout, slot.skeletons)
+    assert_tree_equal(_restored(engine, 3, model, opt), expected)
