@@ -26,15 +26,18 @@ BENCHES = {
             "replication_over_raw_send": ("<=", 1.3),
             "overhead_over_copy_cost": ("<=", 1.3),
         },
-        "note": "Default `replication.checksum=inline` with the streaming copy (ADR 0001, "
-                "0012). Noise-dominated on this 2-core host: one run does not settle "
-                "a figure. Over 6 quick runs on 2026-11-22 (session 5) "
-                "`overhead_over_copy_cost` was 0.45-2.31 (median 1.33; the full run: "
-                "0.73), `stall_over_memcpy` 0.92-1.31 (above 1.25 in 2 of 6) and, in the "
-                "last 3, `torch_save_over_stall` 10.6-30.8 (9.6 in the full run). "
-                "`background` gives the shorter stall "
-                "(`stall_background_over_memcpy`), `torch_copy` is the same run with "
-                "torch's copy instead of the kernel.",
+        "note": "Default: overlapped copies (`replication.overlap_copy=true`, ADR 0013; "
+                "the weights and Adam's moments are copied by the round thread, at nice "
+                "19, during the next forward and backward pass) with the inline hash and "
+                "the streaming copy (ADR 0001, 0012). `stall_s` is measured in the "
+                "training loop: time in `snapshot()` plus the optimizer step's wait at "
+                "the fence. `stall_isolated_*` is the old measure, with nothing to "
+                "overlap. Noise-dominated on this 2-core host, and `memcpy_s` is bimodal "
+                "between runs (about 12 or 19-24 ms), which moves every ratio. Over 4 "
+                "quick runs on 2026-11-22 (session 6) `overhead_over_copy_cost` was 0.51, "
+                "1.40, -0.03 and 0.73 (`inline` in the same runs: 0.41, 1.31, -0.17, "
+                "1.45), `stall_over_memcpy` 0.15-0.28 and `torch_save_over_stall` "
+                "77-145.",
     },
     "bench_recovery": {
         "title": "In-process recovery vs torchrun full restart (issue 3)",
