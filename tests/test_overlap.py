@@ -42,16 +42,24 @@ class Net(torch.nn.Module):
         return self.head(self.norm(self.big(x)))
 
 
-def _setup(opt_cls: type = torch.optim.Adam) -> tuple[SnapshotEngine, Net, Any, torch.Tensor]:
+def _trained(opt_cls: type = torch.optim.Adam) -> tuple[Net, Any, torch.Tensor]:
+    """A model and optimizer after one step (the optimizer state exists), and a batch."""
     torch.manual_seed(0)
     model = Net()
     opt = opt_cls(model.parameters(), lr=0.01)
     batch = torch.randn(8, 256)
-    _step(model, opt, batch)  # materialise the optimizer state
+    _step(model, opt, batch)
+    return model, opt, batch
+
+
+def _setup(
+    opt_cls: type = torch.optim.Adam, **engine_kwargs: Any
+) -> tuple[SnapshotEngine, Net, Any, torch.Tensor]:
+    model, opt, batch = _trained(opt_cls)
     state = TrainingState(rng=False)
     state.register("model", model)
     state.register("optim", opt)
-    return SnapshotEngine(state, overlap=True), model, opt, batch
+    return SnapshotEngine(state, overlap=True, **engine_kwargs), model, opt, batch
 
 
 def _step(model: Net, opt: Any, batch: torch.Tensor) -> None:
@@ -234,15 +242,7 @@ def test_a_round_does_the_copy_on_a_thread_at_the_lowest_priority():
 
 
 def test_overlap_min_bytes_zero_defers_every_optimizer_owned_tensor():
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    batch = torch.randn(8, 256)
-    _step(model, opt, batch)
-    state = TrainingState(rng=False)
-    state.register("model", model)
-    state.register("optim", opt)
-    engine = SnapshotEngine(state, overlap=True, overlap_min_bytes=0)
+    engine, model, opt, batch = _setup(overlap_min_bytes=0)
     expected = _live(model, opt)
     slot = engine.capture(1)
     assert slot.pending is not None
@@ -269,11 +269,7 @@ class _Checkpoint:
 
 
 def test_declared_optimizers_own_tensors_reached_through_other_entries():
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    batch = torch.randn(8, 256)
-    _step(model, opt, batch)
+    model, opt, batch = _trained()
     state = TrainingState(rng=False)
     state.register("ckpt", _Checkpoint(model, opt))
     engine = SnapshotEngine(state, overlap=True)
