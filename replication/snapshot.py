@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,6 +299,25 @@ def copy_and_digest(
     already (an overlapped capture copies them on the training thread, see
     :class:`PendingCopy`): they are hashed from the slot, not copied again.
     """
+    steps = copy_and_digest_steps(slot, flat, streaming=streaming,
+                                  already_copied=already_copied)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+
+
+def copy_and_digest_steps(
+    slot: SnapshotSlot,
+    flat: FlatState,
+    *,
+    streaming: bool = True,
+    already_copied: frozenset[int] = frozenset(),
+) -> Generator[None, None, dict[str, str]]:
+    """:func:`copy_and_digest` one piece at a time: a generator that yields after each
+    chunk or small tensor and returns the digests. A copy can so be handed from one
+    thread to another between two pieces (:class:`PendingCopy`)."""
     assert slot.buffer is not None and slot.layout is not None
     stream = streaming and streamcopy.AVAILABLE
     digests: dict[str, str] = {}
@@ -318,6 +337,7 @@ def copy_and_digest(
                 if end - hashed >= HASH_CHUNK:
                     hasher.update(seg_bytes[hashed:end])
                     hashed = end
+                yield
                 continue
             hasher.update(seg_bytes[hashed : spec.offset])  # pending small tensors, padding
             src_b = src.detach().reshape(-1).view(torch.uint8)
@@ -331,6 +351,7 @@ def copy_and_digest(
                     streamcopy.copy_bytes(dst_at + off, src_at + off, n)
                 else:
                     dst_b[off : off + n].copy_(src_b[off : off + n])
+                yield
             hashed = spec.offset + spec.nbytes
         hasher.update(seg_bytes[hashed:])
         hasher.update(segment_trailer(seg, flat.skeletons[seg.name]))
@@ -346,15 +367,19 @@ to :class:`PendingCopy`; smaller ones are copied at once (few bytes, many calls)
 class PendingCopy:
     """The part of an overlapped capture copied after :meth:`SnapshotEngine.capture` returns.
 
-    It holds the large tensors owned by the registered optimizers (their parameters and
+    It holds the large tensors owned by the state's optimizers (their parameters and
     their state, such as Adam's moments), which nothing but ``optimizer.step()``
     changes, so they can be copied while the loop runs the next forward and backward
-    pass. Whoever calls :meth:`run` first does the copy (with the checksum, in one
-    pass): normally the replication round, on its own thread; otherwise the training
-    thread, at the engine's fence before the next optimizer step or restore.
+    pass. The copy (with the checksum, in one pass) advances one chunk at a time
+    (:func:`copy_and_digest_steps`), under a lock, by whichever thread runs it:
+    normally the round, on a thread at the lowest priority (``run(background=True)``);
+    otherwise the training thread at the engine's fence, before the next optimizer step
+    or restore. A fence that finds the copy unfinished takes it over: the background
+    thread gives it up at its next chunk boundary, so a starved low-priority thread
+    holds the loop up for one chunk at most, never for the rest of the copy.
 
     Each tensor's version counter (which torch bumps on every in-place change it sees)
-    is recorded at capture. A tensor changed before its copy finished makes a torn
+    is recorded at capture. A tensor changed before the copy finished makes a torn
     snapshot: :meth:`run` then raises :class:`SnapshotTorn`, so the step is never
     committed. Changes through ``.data`` bypass the counter and are not seen; ADR 0013.
     """
@@ -364,12 +389,12 @@ class PendingCopy:
     ) -> None:
         self.slot = slot
         self.step = slot.step
-        self._flat: FlatState | None = flat
-        self._already = frozenset(range(len(flat.tensors))).difference(deferred)
-        self._streaming = streaming
+        already = frozenset(range(len(flat.tensors))).difference(deferred)
+        self._steps: Generator[None, None, dict[str, str]] | None = copy_and_digest_steps(
+            slot, flat, streaming=streaming, already_copied=already)
         self._watched = [(i, flat.tensors[i], flat.tensors[i]._version) for i in deferred]
-        self._lock = threading.Lock()
-        self._claimed = False
+        self._turn = threading.Lock()  # held by the thread advancing the copy
+        self._wanted = threading.Event()  # a foreground caller is waiting for the copy
         self.done = threading.Event()
         self.digests: dict[str, str] | None = None
         self.error: BaseException | None = None
@@ -379,35 +404,51 @@ class PendingCopy:
         """Bytes copied off the training thread."""
         return sum(t.numel() * t.element_size() for _, t, _ in self._watched)
 
-    def run(self) -> dict[str, str]:
-        """Copy and checksum (the first caller), or wait for the copy; the digests."""
-        with self._lock:
-            mine, self._claimed = not self._claimed, True
-        if mine:
-            try:
-                assert self._flat is not None
-                digests = copy_and_digest(self.slot, self._flat, streaming=self._streaming,
-                                          already_copied=self._already)
-                changed = self.changed()
-                if changed:
-                    raise SnapshotTorn(
-                        f"snapshot of step {self.step} is torn: {', '.join(changed[:3])} "
-                        "changed in place while being copied, outside optimizer.step(). "
-                        "Overlapped copies are now off for this run; to keep them off from "
-                        "the start, set replication.overlap_copy=false"
-                    )
-                self.digests = digests
-            except BaseException as exc:
-                self.error = exc
-            finally:
-                self._flat = None  # the sources are live tensors: no reference kept
-                self.done.set()
-        else:
-            self.done.wait()
+    def run(self, *, background: bool = False) -> dict[str, str] | None:
+        """Do the copy, or what is left of it, and return the digests.
+
+        ``background=True`` gives the copy up, returning ``None``, as soon as a
+        foreground caller wants it; a foreground call returns once the copy is done
+        (by whichever thread), and raises its error if it failed or is torn.
+        """
+        if not background:
+            self._wanted.set()
+        while not self.done.is_set():
+            if background and self._wanted.is_set():
+                return None
+            with self._turn:
+                if not self.done.is_set():
+                    self._advance(yield_when_wanted=background)
         if self.error is not None:
             raise self.error
-        assert self.digests is not None
         return self.digests
+
+    def _advance(self, *, yield_when_wanted: bool) -> None:
+        """Copy chunks until the copy is done (or, with ``yield_when_wanted``, until a
+        foreground caller asks for it). Holds ``_turn``."""
+        assert self._steps is not None
+        try:
+            while not (yield_when_wanted and self._wanted.is_set()):
+                next(self._steps)
+        except StopIteration as finished:
+            changed = self.changed()
+            if changed:
+                self.error = SnapshotTorn(
+                    f"snapshot of step {self.step} is torn: {', '.join(changed[:3])} "
+                    "changed in place while being copied, outside optimizer.step(). "
+                    "Overlapped copies are now off for this run; to keep them off from "
+                    "the start, set replication.overlap_copy=false"
+                )
+            else:
+                self.digests = finished.value
+            self._finish()
+        except BaseException as exc:
+            self.error = exc
+            self._finish()
+
+    def _finish(self) -> None:
+        self._steps = None  # it refers to the live tensors: no reference kept
+        self.done.set()
 
     def changed(self) -> list[str]:
         """The tensors whose version changed since the capture, described for messages."""
@@ -807,7 +848,7 @@ class SnapshotEngine:
         pending = slot.pending
         if pending is not None:
             if low_priority:
-                run_niced(pending.run)
+                run_niced(lambda: pending.run(background=True))
             slot.digests = pending.run()  # the digests, or the copy's error
             slot.pending = None
         if slot.copy_done is not None:

@@ -301,3 +301,41 @@ def test_a_slot_reused_after_an_unsealed_overlapped_capture_gets_fresh_digests()
     meta = engine.seal(slot)
     assert meta.digests == compute_digests(slot.buffer, slot.layout, slot.skeletons)
     assert_tree_equal(_restored(engine, 3, model, opt), expected)
+
+
+def test_a_fence_takes_the_copy_over_from_a_starved_background_thread():
+    """The low-priority copier gives the copy up at its next chunk boundary once the
+    training thread needs it; the training thread does the rest itself."""
+    engine, model, opt, batch = _setup()
+    expected = _live(model, opt)
+    slot = engine.capture(1)
+    pending = slot.pending
+    assert pending is not None and pending._steps is not None
+    inner, workers = pending._steps, []
+    in_first_chunk, release = threading.Event(), threading.Event()
+
+    def traced():  # records which thread copies each piece; the first one stalls
+        while True:
+            workers.append(threading.get_ident())
+            if len(workers) == 1:
+                in_first_chunk.set()
+                release.wait()  # a starved thread: no CPU until released
+            try:
+                next(inner)
+            except StopIteration as finished:
+                return finished.value
+            yield
+
+    pending._steps = traced()
+    copier = threading.Thread(target=pending.run, kwargs={"background": True})
+    copier.start()
+    assert in_first_chunk.wait(10)
+    threading.Timer(0.2, release.set).start()
+    _step(model, opt, batch)  # the fence: waits for that one piece, then takes over
+    copier.join(10)
+    assert pending.done.is_set() and not copier.is_alive()
+    me = threading.get_ident()
+    assert workers[0] == copier.ident and workers[-1] == me
+    assert workers.count(copier.ident) == 1, "the copier went on after the fence asked"
+    engine.seal(slot)
+    assert_tree_equal(_restored(engine, 1, model, opt), expected)
