@@ -32,12 +32,14 @@ BENCHES = {
                 "the streaming copy (ADR 0001, 0012). `stall_s` is measured in the "
                 "training loop: time in `snapshot()` plus the optimizer step's wait at "
                 "the fence. `stall_isolated_*` is the old measure, with nothing to "
-                "overlap. Noise-dominated on this 2-core host, and `memcpy_s` is bimodal "
-                "between runs (about 12 or 19-24 ms), which moves every ratio. Over 4 "
-                "quick runs on 2026-11-22 (session 6) `overhead_over_copy_cost` was 0.51, "
-                "1.40, -0.03 and 0.73 (`inline` in the same runs: 0.41, 1.31, -0.17, "
-                "1.45), `stall_over_memcpy` 0.15-0.28 and `torch_save_over_stall` "
-                "77-145.",
+                "overlap. Noise-dominated on this 2-core host, and `memcpy_s` varies "
+                "between runs (about 12, 20 or 39 ms), which moves every ratio. "
+                "Session 6 (2026-11-22): an earlier full run, before a fence could take "
+                "the copy over from the niced thread, gave 0.26 / 77 / 1.02 / 0.95 for "
+                "the four targets. Quick runs: `overhead_over_copy_cost` 0.51, 1.40, "
+                "-0.03, 0.73 before the take-over and 1.21, 0.33 after (`inline` in the "
+                "same runs: 0.41, 1.31, -0.17, 1.45, 1.90, 0.33); `stall_over_memcpy` "
+                "0.15-0.28 before and 0.46-0.82 after; `torch_save_over_stall` 38-145.",
     },
     "bench_recovery": {
         "title": "In-process recovery vs torchrun full restart (issue 3)",
