@@ -732,9 +732,9 @@ class SnapshotEngine:
         """Return once no snapshot copy reads the live tensors; the seconds it took.
 
         Called before anything changes them: by optimizer step pre-hooks, before a
-        restore, and by :meth:`capture`. A pending copy that no round has started is
-        done here, on the calling thread. On GPU hosts, makes the current stream wait
-        for in-flight device copies. A tensor found changed since the capture (outside
+        restore, and by :meth:`capture`. What is left of a pending copy is done here,
+        on the calling thread (:class:`PendingCopy`). On GPU hosts, makes the current
+        stream wait for in-flight device copies. A tensor found changed since the capture (outside
         ``optimizer.step()``, or the fence would have come first) turns overlapped
         copies off for this engine, with a warning: this loop cannot use them safely.
         The time is added to :attr:`fence_wait_s`.
@@ -749,7 +749,7 @@ class SnapshotEngine:
             self.pending = None
             try:
                 pending.run()
-            except BaseException:  # seal() raises it, in the round
+            except Exception:  # seal() raises it, in the round
                 pass
             changed = pending.changed()
             if self.overlap and (changed or isinstance(pending.error, SnapshotTorn)):
