@@ -378,10 +378,12 @@ class PendingCopy:
     thread gives it up at its next chunk boundary, so a starved low-priority thread
     holds the loop up for one chunk at most, never for the rest of the copy.
 
-    Each tensor's version counter (which torch bumps on every in-place change it sees)
-    is recorded at capture. A tensor changed before the copy finished makes a torn
-    snapshot: :meth:`run` then raises :class:`SnapshotTorn`, so the step is never
-    committed. Changes through ``.data`` bypass the counter and are not seen; ADR 0013.
+    Each tensor's version counter (which torch bumps on every in-place change it sees,
+    once the change is done) is recorded at capture. A tensor changed before the copy
+    finished makes a torn snapshot: :meth:`run` then raises :class:`SnapshotTorn`, so
+    the step is never committed. The check is best-effort: a change still running when
+    the copy ends is only seen at the next fence, after the step may have committed,
+    and changes through ``.data`` are never seen (ADR 0013).
     """
 
     def __init__(
@@ -690,8 +692,9 @@ class SnapshotEngine:
         slot = self._free_slot()
         if slot.layout != flat.layout:
             self._allocate(slot, flat)
-        slot.step, slot.digests = -1, None  # invalid until fully written
-        slot.pending = None  # one a round abandoned unsealed is stale now
+        with self._lock:  # see seal(): a round abandoned unsealed must not finish this slot
+            slot.step, slot.digests = -1, None  # invalid until fully written
+            slot.pending = None
         deferred = self._deferrable(flat) if self.overlap else []
         if deferred:
             now = sorted(frozenset(range(len(flat.tensors))).difference(deferred))
@@ -700,10 +703,11 @@ class SnapshotEngine:
         else:
             self._copy(slot, flat)
         slot.skeletons = flat.skeletons
-        slot.step = step
-        if deferred:
-            slot.pending = self.pending = PendingCopy(slot, flat, deferred,
-                                                      streaming=self.streaming)
+        with self._lock:
+            slot.step = step
+            if deferred:
+                slot.pending = self.pending = PendingCopy(slot, flat, deferred,
+                                                          streaming=self.streaming)
         return slot
 
     def _deferrable(self, flat: FlatState) -> list[int]:
@@ -757,12 +761,14 @@ class SnapshotEngine:
                 log.warning(
                     "overlapped snapshot copies are off for the rest of this run: %s "
                     "changed in place between the capture of step %d and the next "
-                    "optimizer.step(); set replication.overlap_copy=false for this loop",
-                    ", ".join(changed[:3]) or "a tensor", pending.step,
+                    "optimizer.step() (if the change was still running when the copy "
+                    "ended, that snapshot is torn); set replication.overlap_copy=false "
+                    "for this loop", ", ".join(changed[:3]) or "a tensor", pending.step,
                 )
         for slot in self.slots:
-            if slot.copy_done is not None:  # GPU only (untested here)
-                torch.cuda.current_stream().wait_event(slot.copy_done)
+            event = slot.copy_done  # read once: seal() clears it on the round thread
+            if event is not None:  # GPU only (untested here)
+                torch.cuda.current_stream().wait_event(event)
         return time.perf_counter() - t0
 
     def _free_slot(self) -> SnapshotSlot:
@@ -823,19 +829,31 @@ class SnapshotEngine:
             else:
                 streamcopy.copy_tensors(slot.views, flat.tensors, enabled=self.streaming)
             return
-        # GPU path (untested here): enqueue device->pinned copies on a side stream; the
-        # optimizers' step pre-hooks make the compute stream wait for them (fence()).
-        self._hook(_optimizer_owned(self.state)[0])
+        # GPU path (untested here): enqueue device->pinned copies on a side stream. What
+        # the next forward pass may change (buffers such as batch-norm statistics, all
+        # but the optimizers' tensors) goes first, and the compute stream waits for that
+        # part before it runs anything else; the optimizers' step pre-hooks make it wait
+        # for the rest before the update (fence()).
+        optimizers, owned = _optimizer_owned(self.state)
+        self._hook(optimizers)
+        pairs = list(zip(slot.views, flat.tensors))
+        early = [p for p in pairs if p[1].data_ptr() not in owned]
+        late = [p for p in pairs if p[1].data_ptr() in owned]
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for dst, src in zip(slot.views, flat.tensors):
-                dst.copy_(src, non_blocking=True)
-                if src.device.type == "cuda":
-                    src.record_stream(self._stream)
+            for group in (early, late):
+                for dst, src in group:
+                    dst.copy_(src, non_blocking=True)
+                    if src.device.type == "cuda":
+                        src.record_stream(self._stream)
+                if group is early:
+                    early_done = torch.cuda.Event()
+                    early_done.record(self._stream)
             slot.copy_done = torch.cuda.Event()
             slot.copy_done.record(self._stream)
+        torch.cuda.current_stream().wait_event(early_done)
 
     def seal(self, slot: SnapshotSlot, *, low_priority: bool = False) -> SnapshotMeta:
         """Finish ``slot`` and checksum it (off the training thread, in the replicator).
@@ -849,8 +867,14 @@ class SnapshotEngine:
         if pending is not None:
             if low_priority:
                 run_niced(lambda: pending.run(background=True))
-            slot.digests = pending.run()  # the digests, or the copy's error
-            slot.pending = None
+            digests = pending.run()  # the digests, or the copy's error
+            with self._lock:
+                # A round abandoned in a recovery may get here after the slot was
+                # captured again: the slot is no longer its snapshot.
+                if slot.pending is not pending:
+                    raise SnapshotError(f"the slot of step {pending.step} was reused "
+                                        "before its round sealed it")
+                slot.digests, slot.pending = digests, None
         if slot.copy_done is not None:
             slot.copy_done.synchronize()
             slot.copy_done = None

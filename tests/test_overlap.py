@@ -339,3 +339,37 @@ def test_a_fence_takes_the_copy_over_from_a_starved_background_thread():
     assert workers.count(copier.ident) == 1, "the copier went on after the fence asked"
     engine.seal(slot)
     assert_tree_equal(_restored(engine, 1, model, opt), expected)
+
+
+def test_a_round_abandoned_before_sealing_cannot_finish_a_reused_slot(monkeypatch):
+    """Recovery abandons a round; the fence finishes its copy; the slot is captured
+    again. When the old round thread gets to the end of seal(), it must fail instead of
+    stamping its step's digests on the new snapshot (found in review)."""
+    engine, model, opt, batch = _setup()
+    go = threading.Event()
+    monkeypatch.setattr("replication.snapshot.run_niced", lambda fn: go.wait(10))
+    slot = engine.capture(1)
+    errors: list[BaseException] = []
+
+    def old_round() -> None:
+        try:
+            engine.seal(slot, low_priority=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    stale = threading.Thread(target=old_round)
+    stale.start()  # parked in run_niced, as a starved round thread would be
+    engine.fence()  # the restore guard of a recovery: finishes the copy
+    engine.seal(engine.capture(2))
+    engine.protect(2)
+    _step(model, opt, batch)
+    expected = _live(model, opt)
+    again = engine.capture(3)
+    assert again is slot  # step 1's slot, reused
+    go.set()
+    stale.join(10)
+    assert len(errors) == 1 and "reused before its round sealed it" in str(errors[0])
+    meta = engine.seal(again)
+    assert meta.step == 3
+    assert meta.digests == compute_digests(again.buffer, again.layout, again.skeletons)
+    assert_tree_equal(_restored(engine, 3, model, opt), expected)
