@@ -291,7 +291,8 @@ class Replicator:
     # -- the background round --------------------------------------------------------
     def _round(self, slot: SnapshotSlot) -> RoundStats:
         t0 = time.perf_counter()
-        overlapped = slot.pending.nbytes if slot.pending is not None else 0
+        pending = slot.pending  # read once: a recapture may reset it (see seal)
+        overlapped = pending.nbytes if pending is not None else 0
         meta = self.engine.seal(slot, low_priority=True)  # an overlapped copy, niced
         t_sealed = time.perf_counter()
         sent, received, skipped = self._exchange(meta, slot)
