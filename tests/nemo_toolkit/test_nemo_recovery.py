@@ -32,8 +32,9 @@ def _args(run_dir, *extra: str) -> tuple[str, ...]:
     return (f"exp_manager.exp_dir={run_dir}/nemo_experiments", *extra)
 
 
-def _job(run_dir, *, faults: str = "", spares: int = 1, extra: tuple[str, ...] = ()):
-    overrides = [*RECIPE, *([f"recovery.fault={faults}"] if faults else [])]
+def _job(run_dir, *, faults: str = "", spares: int = 1, extra: tuple[str, ...] = (),
+         overrides: tuple[str, ...] = ()):
+    overrides = [*RECIPE, *([f"recovery.fault={faults}"] if faults else []), *overrides]
     return run_job(run_dir, nnodes=1, nproc=2, spares=spares, script=SCRIPT,
                    script_args=_args(run_dir, *extra), overrides=overrides, timeout_s=300)
 
@@ -48,10 +49,18 @@ def reference(tmp_path_factory):
 
 
 def test_worker_sigkill_during_fit_ends_bit_identical(tmp_path, reference):
-    job = _job(tmp_path / "run", faults="1:5:backward")
+    """With every optimizer-owned tensor's copy overlapped with the next step (the toy
+    model's tensors are all under the default ``overlap_min_bytes``), against a
+    reference whose snapshots copy everything in the loop."""
+    job = _job(tmp_path / "run", faults="1:5:backward",
+               overrides=("replication.overlap_min_bytes=0",))
     assert_succeeded(job)
     assert_same_final(reference, job)
     assert_recovered(job, faults=1)
+    # NeMo's optimizer reaches the engine through the strategy's declaration: without
+    # it nothing would be overlapped.
+    rounds = [e["replicated"] for e in job.events("step") if e.get("replicated")]
+    assert rounds and all(r["overlapped_bytes"] > 0 for r in rounds), rounds[:3]
     # NeMo's telemetry would refuse a second training-loop span: the attempt after the
     # recovery must not have failed again.
     assert len({e["gen"] for e in job.events("recovery")}) == 1, job.events("recovery")
