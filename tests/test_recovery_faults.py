@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.recovery_harness import (
+    TRAIN_ARGS,
     assert_failed_cleanly,
     assert_recovered,
     assert_same_final,
@@ -97,6 +98,32 @@ def test_sigkill_with_every_optimizer_tensor_copied_overlapped(tmp_path, referen
     assert not [e for e in reference.events("step")
                 if (e.get("replicated") or {}).get("overlapped_bytes")], \
         "the reference run's model is under the default overlap_min_bytes"
+
+
+def test_snapshot_torn_by_an_in_place_change_is_never_committed(tmp_path, reference):
+    """Rank 1 changes a weight in place (``mul_(1.0)``) right after the snapshot of step
+    FAULT_STEP, while its round, delayed a second, has not copied it yet. The next
+    optimizer step's fence copies the weight and finds its version changed: the round
+    fails with the torn snapshot instead of acknowledging it. No process dies: the job
+    recovers in-process to the step before, rank 1 goes on with overlapped copies off,
+    and the end is bit-identical (the change changed no value)."""
+    job = run_job(tmp_path / "run", script="tests/launcher_scripts/torn_snapshot_gpt.py",
+                  script_args=("--tear", f"1:{FAULT_STEP}", *TRAIN_ARGS),
+                  overrides=["replication.overlap_min_bytes=0"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    output = job.output(tail=10**7)
+    assert "changed (" in output and f"snapshot of step {FAULT_STEP}" in output, output
+    recs = job.events("recovery")
+    assert {e["gen"] for e in recs} == {1} and len(recs) == 2, recs
+    cause = recs[0]["cause"]
+    assert (cause["kind"], cause["rank"]) == ("exception", 1), cause
+    assert f"snapshot of step {FAULT_STEP} is torn" in cause["error"], cause
+    # The torn step was never committed: both ranks rolled back to the one before.
+    assert {e["target_step"] for e in recs} == {FAULT_STEP - 1}, recs
+    assert not [e for e in job.events("worker_exit") if e.get("signal")], \
+        job.events("worker_exit")
+    assert "overlapped snapshot copies are off for the rest of this run" in output, output
 
 
 def test_sigkill_during_replication(tmp_path, reference):
