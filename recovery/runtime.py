@@ -40,6 +40,7 @@ from recovery.settings import RuntimeSettings
 from recovery.transfer import receive_state, send_state
 from recovery.watchdog import Watchdog
 from replication.commit import UntrustedCommit, committed_step
+from replication.memory import MemoryBudgetError
 from replication.replicator import Replicator
 from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
@@ -124,7 +125,10 @@ class Checkpointless:
         if self.env.replacement or self.gen > 0:
             self.restored_step = self._recover({"kind": "replacement"}, newcomer=True)
         else:
-            self._setup_generation(0)
+            try:
+                self._setup_generation(0)
+            except RecoveryImpossible as exc:  # the job cannot start: stop it, say why
+                self._fatal(str(exc))
             self.restored_step = self._maybe_resume()
             if self.restored_step is None and initial_snapshot:
                 self.commit_initial(0)  # the initial state is step 0, committed first
@@ -136,7 +140,10 @@ class Checkpointless:
     def commit_initial(self, step: int) -> None:
         """Snapshot the state as ``step`` and wait until every copy holds it."""
         assert self.replicator is not None, "start() first"
-        self.replicator.snapshot(step)
+        try:
+            self.replicator.snapshot(step)
+        except MemoryBudgetError as exc:  # the first capture allocates the slots
+            self._fatal(str(exc))
         self.replicator.wait()
 
     # -- public API --------------------------------------------------------------------
@@ -151,6 +158,8 @@ class Checkpointless:
                 step += 1
             except RecoveryImpossible:
                 raise
+            except MemoryBudgetError as exc:  # a replay would grow the state the same way
+                self._fatal(str(exc))
             except Exception as exc:  # any failure of this step, local or remote
                 if not self.settings.recovery.enabled:
                     raise
@@ -206,6 +215,8 @@ class Checkpointless:
         """
         if isinstance(exc, RecoveryImpossible) or not isinstance(exc, Exception):
             raise exc
+        if isinstance(exc, MemoryBudgetError):  # a replay would grow the state the same way
+            self._fatal(str(exc))
         if not self.settings.recovery.enabled:
             raise exc
         return self._recover(self._cause_of(exc))
@@ -345,7 +356,20 @@ class Checkpointless:
             self.backend,
         )
         old = self.replicator
-        self.replicator = Replicator(
+        try:
+            replicator = self._make_replicator(gen, old)
+        except MemoryBudgetError as exc:
+            # No generation can fix it (a replacement needs the same memory), so stop the
+            # job instead of failing over and over: a replacement would fail the same way.
+            raise RecoveryImpossible(str(exc)) from None
+        self.replicator = replicator
+        self.replicator.should_abort = lambda: self.watchdog.failure_pending
+        self.gen = self.watchdog.generation = gen
+
+    def _make_replicator(self, gen: int, old: Replicator | None) -> Replicator:
+        """This generation's replicator; snapshots and replicas carry over from ``old``."""
+        rs = self.settings
+        return Replicator(
             self.state, store=self.store, rank=self.rank, world_size=self.world_size,
             node=self.env.node, local_world_size=self.env.local_world_size,
             config=rs.replication, memory=rs.memory, prefix=protocol.gen_prefix(gen),
@@ -355,8 +379,6 @@ class Checkpointless:
             durable_staging=bool(self.durable is not None and self.durable.staging),
             durable_zero_copy=bool(self.durable is not None and self.durable.zero_copy),
         )
-        self.replicator.should_abort = lambda: self.watchdog.failure_pending
-        self.gen = self.watchdog.generation = gen
 
     def _teardown_generation(self) -> None:
         rs = self.settings
@@ -384,9 +406,10 @@ class Checkpointless:
             protocol.declare_failure(self.store, self.gen, {**cause, "ts": t_detect})
         self._teardown_generation()
         t_abort = time.time()
-        if protocol.recoveries(self.store) > rec.max_restarts:
-            self._fatal(f"recovery.max_restarts={rec.max_restarts} exceeded")
         while True:
+            # Checked on every pass: failures during a recovery make generations too.
+            if protocol.recoveries(self.store) > rec.max_restarts:
+                self._fatal(f"recovery.max_restarts={rec.max_restarts} exceeded")
             gen = protocol.current_generation(self.store)
             self.watchdog.generation = gen
             try:
@@ -409,6 +432,8 @@ class Checkpointless:
                 self._leave_fenced(str(exc))
             except GenerationChanged:
                 self._teardown_generation()
+            except MemoryBudgetError as exc:  # the state grew past the budget: no retry helps
+                self._fatal(str(exc))
             except Exception as exc:  # a failure during the recovery itself
                 self.log.emit("recovery_interrupted", gen=gen, error=str(exc)[:300])
                 protocol.declare_failure(self.store, gen, {

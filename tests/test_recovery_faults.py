@@ -261,3 +261,18 @@ def test_max_restarts_zero_stops_the_job(tmp_path):
     assert "max_restarts=0" in reason and "exceeded" in reason, reason or job.output()
     assert not job.events("recovery"), "no recovery may complete with max_restarts=0"
     assert not job.events("replacement_assigned")
+
+
+def test_memory_budget_refusal_stops_the_job_at_start(tmp_path):
+    """A budget too small for the state refuses to start, once, with the numbers: a
+    replacement would need the same memory, so the job must not fail over and over
+    (it used to replace the refusing workers until the timeout)."""
+    job = run_job(tmp_path / "run", spares=1, overrides=["memory.host_budget_bytes=100000"],
+                  timeout_s=120)
+    assert_failed_cleanly(job)
+    reason = stop_reason(job)
+    assert "cannot hold this rank's recovery state" in reason, reason or job.output()
+    assert "memory.host_budget_bytes=100000" in reason and "needs" in reason, reason
+    assert not job.events("recovery") and not job.events("replacement_assigned"), \
+        job.events("replacement_assigned")
+    assert not job.finals()
