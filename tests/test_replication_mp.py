@@ -224,3 +224,29 @@ def test_rank_death_mid_round_leaves_step_uncommitted(tmp_path):
         assert replica.get("sha") == own[src], (src, holder, replica)
     assert commit.committed_step(store) == die_step - 1
     assert store.add(f"checkpointless/acks/{die_step}", 0) < 4
+
+
+def test_a_replica_corrupted_in_transit_is_refused_and_never_committed(tmp_path):
+    """Rank 0's chunks of step 3 arrive with a byte flipped in each. Rank 1 must find the
+    checksum wrong on receipt and fail its round, so step 3 is never committed; the
+    replica of step 2 it already holds stays intact, and both ranks roll back exactly."""
+    port = free_port()
+    store = tcp_store(port, is_master=True)
+    fail_step = 3
+    run = _run(tmp_path, 2, port=port, store_on_rank0=False, ranks_per_node=1,
+               steps=fail_step, timeout_s=5.0, corrupt={"rank": 0, "step": fail_step})
+    assert not run.timed_out, run.describe()
+    _assert_ok(run, range(2))
+    receiver, sender = run.results[1], run.results[0]
+    err = receiver["wait_error"]
+    assert err is not None and err["type"] == "ReplicationError", err
+    assert f"replica of rank 0 at step {fail_step}" in err["message"], err
+    assert "checksum" in err["message"], err
+    # The sender's round cannot complete without the receiver's acknowledgement.
+    assert sender["wait_error"] is not None, "the sender committed a refused replica"
+    for res in (receiver, sender):
+        assert res["committed"] == fail_step - 1
+        assert res["restored_digest"] == res["state_digest"][str(fail_step - 1)]
+    assert receiver["replicas"]["0"].get("sha") == sender["own_sha"][str(fail_step - 1)], \
+        receiver["replicas"]
+    assert commit.committed_step(store) == fail_step - 1

@@ -8,7 +8,8 @@ errors, timings) to ``<out>/rank<r>.json``.
 Config keys: rank, world_size, out, port, store_on_rank0 (rank 0 hosts the TCPStore;
 otherwise the test process does), ranks_per_node, seed_mode ("rank" | "same"), steps,
 factor, timeout_s, chunk_bytes, retrain_steps, sleep ({rank, step, seconds} | null),
-die ({rank, step} | null).
+die ({rank, step} | null), corrupt ({rank, step} | null: that rank flips one byte of
+every chunk it sends in that step's round, as a bad link or NIC would).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from replication.config import ReplicationConfig
+from replication.replicator import _META_TAG as META_TAG
 from replication.replicator import ReplicationError, Replicator
 from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
@@ -106,7 +108,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "losses": [],
         "stalls": {},
     }
-    sleep, die = cfg.get("sleep"), cfg.get("die")
+    sleep, die, corrupt = cfg.get("sleep"), cfg.get("die"), cfg.get("corrupt")
+    failing = die or corrupt  # the step whose round must fail
     steps = cfg["steps"]
 
     def record_round() -> None:
@@ -130,9 +133,11 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             res["sleep_started_at"] = time.time()
             time.sleep(sleep["seconds"])
             res["snapshot_called_at"] = time.time()
+        if corrupt and rank == corrupt["rank"] and s == corrupt["step"]:
+            corrupt_sends(rep)
         res["stalls"][str(s)] = rep.snapshot(s)
         record_round()
-        if die and s == die["step"]:
+        if failing and s == failing["step"]:
             t0 = time.monotonic()
             try:
                 rep.wait()
@@ -185,6 +190,23 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     res["replica_store_bytes"] = rep.replicas.nbytes()
     finish(rep, store, cfg)
     return res
+
+
+def corrupt_sends(rep: Replicator) -> None:
+    """From the next round on, every chunk of snapshot data this rank sends has its first
+    byte flipped in transit (the snapshot itself stays intact; the metadata too)."""
+    rep.wait()  # the previous round's sends stay clean
+    send = rep.channel.post_send
+
+    def flipped(buf: torch.Tensor, dst: int, tag: int, chunk_bytes: int) -> list:
+        if tag == META_TAG:
+            return send(buf, dst, tag, chunk_bytes)
+        bad = buf.clone()
+        for start in range(0, bad.numel(), chunk_bytes):
+            bad[start] ^= 0xFF
+        return send(bad, dst, tag, chunk_bytes)
+
+    rep.channel.post_send = flipped  # type: ignore[method-assign]
 
 
 def replace_rng(state: TrainingState, rng: Holder) -> TrainingState:
