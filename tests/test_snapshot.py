@@ -258,6 +258,36 @@ def test_double_buffering_keeps_the_committed_step():
         assert_tree_equal(step2_state, step1_state)
 
 
+def test_buffers_are_allocated_once_and_reused_in_steady_state():
+    """Fresh allocation costs far more than a copy into existing memory: once both slots
+    exist, captures of a state whose layout does not change allocate nothing."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    state = TrainingState()
+    state.register("model", model)
+    state.register("optim", opt)
+    allocations: list[int] = []
+    engine = SnapshotEngine(state, on_allocate=lambda layout: allocations.append(layout.nbytes))
+    train_step(model, opt)  # Adam's moments exist from here on: the layout is final
+    for step in (1, 2):
+        _snapshot_at(engine, step)
+    assert len(allocations) == 2, allocations  # one per slot
+    buffers = {slot.index: slot.buffer.data_ptr() for slot in engine.slots}
+    for step in range(3, 11):
+        train_step(model, opt)
+        _snapshot_at(engine, step)
+        assert {slot.index: slot.buffer.data_ptr() for slot in engine.slots} == buffers
+    assert len(allocations) == 2, allocations
+    # A layout that changes (Adam's moments for a new parameter) reallocates, per slot.
+    extra = torch.nn.Parameter(torch.randn(32, 32))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.ones_like(extra)
+    opt.step()
+    for step in (11, 12, 13, 14):
+        _snapshot_at(engine, step)
+    assert len(allocations) == 4, allocations
+
+
 def test_uncommitted_step_is_overwritten_never_the_committed_one():
     engine, model, opt = _engine_with_model()
     for step in (1, 2):
