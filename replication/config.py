@@ -35,7 +35,9 @@ class ReplicationConfig:
     device: str = field(
         default="cpu",
         metadata={
-            "help": "snapshot buffer location: 'cpu' (pinned when CUDA is present) or 'cuda'",
+            "help": "snapshot buffer location: 'cpu' (host memory, pinned when CUDA is "
+                    "present; GPU tensors are copied there on a side stream). 'cuda' "
+                    "(buffers in spare GPU memory) is reserved and refused: not built yet",
             "choices": ["cpu", "cuda"],
         },
     )

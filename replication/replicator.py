@@ -148,6 +148,9 @@ class Replicator:
         slots, so a new engine allocates three of them in shared memory (one may be held
         by the writer while the other two alternate), and no staging copy is counted."""
         self.config = config or ReplicationConfig()
+        if self.config.device != "cpu":  # the recipe validator refuses it with the key
+            raise ValueError(f"replication.device={self.config.device!r}: snapshot buffers "
+                             "in GPU memory are not built yet; use 'cpu'")
         self.memory = memory or MemoryConfig()
         self.state = state
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size

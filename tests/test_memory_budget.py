@@ -158,3 +158,10 @@ def test_snapshot_refuses_to_grow_past_the_budget_and_keeps_the_committed_step()
         assert torch.equal(holder.sd["x"], torch.zeros(64 * 1024))
     finally:
         rep.close()
+
+
+def test_replicator_refuses_gpu_resident_buffers_it_cannot_build():
+    """Library users bypass the recipe validator: the replicator refuses the setting."""
+    with pytest.raises(ValueError, match=r"replication\.device='cuda'"):
+        Replicator(TrainingState(), store=dist.HashStore(), rank=0, world_size=1, node=0,
+                   config=ReplicationConfig(device="cuda"))
