@@ -37,6 +37,10 @@ class MemoryPlan:
     # Local snapshot slots: 2 (double buffering), 3 when the durable writer persists
     # straight from a slot (it holds one while the other two keep alternating).
     local_slots: int = 2
+    # The sizes of the states this rank holds replicas of, when known (from the
+    # placement: with uneven nodes a rank may hold more than factor - 1, and sharded
+    # states differ in size). None: factor - 1 replicas the size of this rank's state.
+    replica_sizes: tuple[int, ...] | None = None
 
     @property
     def own_bytes(self) -> int:
@@ -44,7 +48,16 @@ class MemoryPlan:
 
     @property
     def replica_bytes(self) -> int:
-        return 2 * (self.factor - 1) * self.state_bytes  # double-buffered peer replicas
+        """Double-buffered peer replicas."""
+        if self.replica_sizes is not None:
+            return 2 * sum(self.replica_sizes)
+        return 2 * (self.factor - 1) * self.state_bytes
+
+    def describe_replicas(self) -> str:
+        if self.replica_sizes is None:
+            return f"2 x {self.factor - 1} x {_fmt(self.state_bytes)} replicas"
+        return (f"2 x {_fmt(sum(self.replica_sizes))} replicas "
+                f"(of {len(self.replica_sizes)} peer(s))")
 
     @property
     def total_bytes(self) -> int:
@@ -100,7 +113,7 @@ def check_budget(
         raise MemoryBudgetError(
             "checkpointless cannot hold this rank's recovery state in host memory: needs "
             f"{_fmt(plan.total_bytes)} = {plan.local_slots} x {_fmt(plan.state_bytes)} snapshot "
-            f"+ 2 x {plan.factor - 1} x {_fmt(plan.state_bytes)} replicas "
+            f"+ {plan.describe_replicas()} "
             f"+ {_fmt(plan.staging_bytes)} staging"
             f"{durable}, but the budget is {_fmt(budget)} "
             f"({source}). Lower replication.factor, raise memory.host_budget_bytes, or "

@@ -181,8 +181,12 @@ class Replicator:
             committed_key=committed_key or f"{prefix}/committed_step",
             timeout_s=self.config.timeout_s,
         )
-        nodes = self.channel.allgather(torch.tensor([node], dtype=torch.int64))
-        self.node_of_rank = [int(t.item()) for t in nodes]
+        # Every rank's node and expected state size: placement needs the nodes, the
+        # budget the sizes of the states this rank will hold replicas of.
+        gathered = self.channel.allgather(
+            torch.tensor([node, self._expected_state_bytes()], dtype=torch.int64))
+        self.node_of_rank = [int(t[0]) for t in gathered]
+        self.state_bytes_of_rank = [int(t[1]) for t in gathered]
         if self.config.factor > world_size:
             log.warning("replication.factor=%d but the job has %d process(es): keeping %d "
                         "copies", self.config.factor, world_size, world_size)
@@ -205,18 +209,25 @@ class Replicator:
     def plan(self, state_bytes: int) -> MemoryPlan:
         staging = 2 * self.config.chunk_bytes if self.config.device == "cuda" else 0
         durable = state_bytes if self._durable_staging else 0
+        sources = getattr(self, "sources", None)  # None while placement is not known yet
+        replica_sizes = (None if sources is None else
+                         tuple(self.state_bytes_of_rank[src] for src in sources[self.rank]))
         return MemoryPlan(state_bytes, self.config.factor, staging, durable,
-                          local_slots=len(self.engine.slots))
+                          local_slots=len(self.engine.slots), replica_sizes=replica_sizes)
 
-    def check_budget(self) -> MemoryPlan:
-        """Check the budget against the state's size now plus lazily created optimizer state."""
+    def _expected_state_bytes(self) -> int:
+        """The state's size now plus the optimizer state its first step will create."""
         size = flatten(self.state.capture()).nbytes
-        size += sum(
+        return size + sum(
             lazy_optimizer_bytes(obj)
             for _, obj in self.state
             if isinstance(obj, torch.optim.Optimizer)
         )
-        plan = self.plan(size)
+
+    def check_budget(self) -> MemoryPlan:
+        """Check the budget against the state's expected size, this rank's replicas (as
+        placed, each the size its source reported) and the staging buffers."""
+        plan = self.plan(self._expected_state_bytes())
         check_budget(plan, self.memory, self.local_world_size, self._budget)
         return plan
 

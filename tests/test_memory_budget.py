@@ -19,6 +19,7 @@ from replication.memory import (
 )
 from replication.replicator import Replicator
 from replication.state import TrainingState
+from tests.helpers.mp import free_port, run_workers
 from tests.helpers.training import Holder
 
 MiB = 1 << 20
@@ -165,3 +166,19 @@ def test_replicator_refuses_gpu_resident_buffers_it_cannot_build():
     with pytest.raises(ValueError, match=r"replication\.device='cuda'"):
         Replicator(TrainingState(), store=dist.HashStore(), rank=0, world_size=1, node=0,
                    config=ReplicationConfig(device="cuda"))
+
+
+def test_budget_counts_the_replicas_a_rank_actually_holds(tmp_path):
+    """Nodes of uneven size: with k=2, ranks 0 and 1 (node 0) both keep their replica on
+    rank 2 (node 1), which holds two replicas where k - 1 = 1 would suggest one. A budget
+    of 5 states fits 2 local slots + 2 x 1 replica (4 states), not 2 + 2 x 2 (6): rank 2
+    must refuse and say what it holds, the others start."""
+    run = run_workers("tests.workers.budget_worker", 3,
+                      {"port": free_port(), "nodes": [0, 0, 1], "factor": 2,
+                       "budget_states": 5}, tmp_path, timeout_s=60)
+    assert not run.timed_out and set(run.results) == {0, 1, 2}, run.describe()
+    assert run.results[0] == {**run.results[0], "refused": None, "replicas_held": 1}
+    assert run.results[1] == {**run.results[1], "refused": None, "replicas_held": 0}
+    refused = run.results[2]["refused"]
+    assert refused is not None, run.results[2]
+    assert "replicas (of 2 peer(s))" in refused and "budget is" in refused, refused
