@@ -138,3 +138,27 @@ def test_unknown_policy_is_refused():
 def test_nodes_of_groups_ranks_in_rank_order():
     assert nodes_of([5, 2, 5, 2, 9]) == {5: [0, 2], 2: [1, 3], 9: [4]}
     assert Counter(len(v) for v in nodes_of(_uniform(3, 4)).values()) == {4: 3}
+
+
+@settings(max_examples=150, deadline=None)
+@given(node_of_rank=_irregular_topology(), factor=st.integers(2, 8))
+def test_fewer_nodes_than_copies_falls_back_to_other_processes(node_of_rank, factor):
+    """``allow_same_node`` (what the replicator uses): with fewer nodes than copies,
+    each rank still gets factor - 1 distinct other processes, spread over every other
+    node before a second copy lands on any node, its own included."""
+    node_of_rank = list(node_of_rank)
+    n_nodes, world = len(set(node_of_rank)), len(node_of_rank)
+    if factor > world:
+        with pytest.raises(PlacementError, match="processes"):
+            place_replicas(node_of_rank, factor, "ring", allow_same_node=True)
+        return
+    holders = place_replicas(node_of_rank, factor, "ring", allow_same_node=True)
+    if factor <= n_nodes:  # enough nodes: the node-aware placement, unchanged
+        assert holders == place_replicas(node_of_rank, factor, "ring")
+        return
+    for rank, hs in enumerate(holders):
+        assert len(hs) == factor - 1 and len(set(hs)) == factor - 1 and rank not in hs
+        other_nodes = {node_of_rank[h] for h in hs} - {node_of_rank[rank]}
+        assert other_nodes == set(node_of_rank) - {node_of_rank[rank]}, (rank, hs)
+    # A process failure never loses state: every rank's copies are on other processes.
+    assert sum(len(s) for s in sources_of(holders)) == world * (factor - 1)
