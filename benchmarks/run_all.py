@@ -39,7 +39,15 @@ BENCHES = {
                 "the four targets. Quick runs: `overhead_over_copy_cost` 0.51, 1.40, "
                 "-0.03, 0.73 before the take-over and 1.21, 0.33 after (`inline` in the "
                 "same runs: 0.41, 1.31, -0.17, 1.45, 1.90, 0.33); `stall_over_memcpy` "
-                "0.15-0.28 before and 0.46-0.82 after; `torch_save_over_stall` 38-145.",
+                "0.15-0.28 before and 0.46-0.82 after; `torch_save_over_stall` 38-145. "
+                "Session 7 quick runs: `overhead_over_copy_cost` 0.86 and 1.40 (`memcpy_s` "
+                "15 and 12 ms). The four targets measure the snapshot (capture and commit, "
+                "k=1); `replication_s` is a k=2 round's network part (transfer, checks on "
+                "receipt, commit) against a raw gloo send of the same bytes. Replicating "
+                "every step with k=2 costs far more here: "
+                "`train_step_overhead_replicated` is 0.78 of a step, because the 384 MiB "
+                "gloo exchange takes CPU time that training needs "
+                "on 2 cores; `replication.every_n_steps` trades that against lost work.",
     },
     "bench_recovery": {
         "title": "In-process recovery vs torchrun full restart (issue 3)",
