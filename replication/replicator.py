@@ -183,8 +183,8 @@ class Replicator:
         )
         # Every rank's node and expected state size: placement needs the nodes, the
         # budget the sizes of the states this rank will hold replicas of.
-        gathered = self.channel.allgather(
-            torch.tensor([node, self._expected_state_bytes()], dtype=torch.int64))
+        expected = self._expected_state_bytes()
+        gathered = self.channel.allgather(torch.tensor([node, expected], dtype=torch.int64))
         self.node_of_rank = [int(t[0]) for t in gathered]
         self.state_bytes_of_rank = [int(t[1]) for t in gathered]
         if self.config.factor > world_size:
@@ -203,11 +203,11 @@ class Replicator:
         self.sources = sources_of(self.holders)
         self._inflight: Future | None = None
         self.last_round: RoundStats | None = None
-        self.check_budget()
+        self.check_budget(expected)
 
     # -- memory ----------------------------------------------------------------------
     def plan(self, state_bytes: int) -> MemoryPlan:
-        staging = 2 * self.config.chunk_bytes if self.config.device == "cuda" else 0
+        staging = 0  # snapshot buffers are host memory (replication.device=cpu): no staging
         durable = state_bytes if self._durable_staging else 0
         sources = getattr(self, "sources", None)  # None while placement is not known yet
         replica_sizes = (None if sources is None else
@@ -224,10 +224,11 @@ class Replicator:
             if isinstance(obj, torch.optim.Optimizer)
         )
 
-    def check_budget(self) -> MemoryPlan:
-        """Check the budget against the state's expected size, this rank's replicas (as
-        placed, each the size its source reported) and the staging buffers."""
-        plan = self.plan(self._expected_state_bytes())
+    def check_budget(self, state_bytes: int | None = None) -> MemoryPlan:
+        """Check the budget against the state's expected size (``state_bytes``, measured
+        now if not given), this rank's replicas (as placed, each the size its source
+        reported) and the staging buffers."""
+        plan = self.plan(self._expected_state_bytes() if state_bytes is None else state_bytes)
         check_budget(plan, self.memory, self.local_world_size, self._budget)
         return plan
 
