@@ -156,14 +156,8 @@ class Checkpointless:
                 train_step(step)
                 self._after_step(step)
                 step += 1
-            except RecoveryImpossible:
-                raise
-            except MemoryBudgetError as exc:  # a replay would grow the state the same way
-                self._fatal(str(exc))
             except Exception as exc:  # any failure of this step, local or remote
-                if not self.settings.recovery.enabled:
-                    raise
-                step = self._recover(self._cause_of(exc)) + 1
+                step = self.recover(exc) + 1  # re-raises what cannot be recovered
         self._finish()
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:

@@ -154,7 +154,7 @@ class Replicator:
         self.memory = memory or MemoryConfig()
         self.state = state
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
-        pin = self.config.device == "cpu" and torch.cuda.is_available()
+        pin = torch.cuda.is_available()  # host buffers, pinned for side-stream copies
         # Measured once, before our buffers exist, so re-checks do not count them twice.
         # Buffers carried over from a previous generation already reduced free RAM.
         held = (engine.allocated_bytes if engine else 0) + (replicas.nbytes() if replicas else 0)
@@ -209,9 +209,7 @@ class Replicator:
     def plan(self, state_bytes: int) -> MemoryPlan:
         staging = 0  # snapshot buffers are host memory (replication.device=cpu): no staging
         durable = state_bytes if self._durable_staging else 0
-        sources = getattr(self, "sources", None)  # None while placement is not known yet
-        replica_sizes = (None if sources is None else
-                         tuple(self.state_bytes_of_rank[src] for src in sources[self.rank]))
+        replica_sizes = tuple(self.state_bytes_of_rank[src] for src in self.sources[self.rank])
         return MemoryPlan(state_bytes, self.config.factor, staging, durable,
                           local_slots=len(self.engine.slots), replica_sizes=replica_sizes)
 
