@@ -97,9 +97,15 @@ def _one_step(torch) -> None:
 def install_worker_hooks() -> None:
     """Import hooks every worker needs before its script runs (fresh or spare).
 
-    Today: ``Trainer(strategy="checkpointless")`` registers itself the moment the script
-    imports Lightning (:mod:`recovery.integrations.autoload`), so scripts need no import.
+    - ``torch.distributed.init_process_group`` builds the runtime's own process group
+      (:func:`recovery.elastic_group.install_init_hook`), whatever backend the script
+      names, so DDP, FSDP2 and the script's own collectives survive recoveries;
+    - ``Trainer(strategy="checkpointless")`` registers itself the moment the script
+      imports Lightning (:mod:`recovery.integrations.autoload`), so scripts need no import.
     """
+    from recovery import elastic_group
+
+    elastic_group.install_init_hook()
     try:
         from recovery.integrations import autoload
 

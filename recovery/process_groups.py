@@ -1,100 +1,100 @@
-"""Training process groups, one set per generation, and how old ones are let go.
+"""Training process groups across generations, and what is let go of a failed one.
 
-Gloo cannot abort an operation, and destroying a gloo group joins its worker threads,
-which blocks while an operation is still pending on a live but silent peer. So a
-failed generation's groups are never destroyed on the training thread: we unregister
-them and hand the last reference to a reaper thread, which drops it when it can. A
-dropped group closes its sockets, which makes peers still blocked in that generation's
-collectives fail at once; the failure cascades instead of waiting for timeouts.
+The training group is the runtime's own :class:`recovery.elastic_group.ElasticProcessGroup`
+(ADR 0015): the same object for the whole life of the process, so DDP, FSDP2, DeviceMesh
+and the user's ``dist.*`` calls keep it, while its inner gloo/NCCL backend is replaced
+for each generation. A failure fails its pending collectives and aborts the inner
+backend (its sockets are shut down), which then destroys in milliseconds: nothing of
+the failed generation keeps a thread or a socket.
 
-With NCCL (``recovery.abort_backend=nccl``, untested on this CPU-only machine) the
-communicator is aborted instead, which unblocks pending kernels directly.
+The side channel's groups and framework objects still tied to a failed generation go to
+a reaper (:func:`keep`) that drops them once their operations have ended.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 import threading
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from recovery.protocol import gen_prefix
+from recovery import elastic_group
 
 _graveyard: list[tuple[float, Any]] = []
 _reaper: threading.Thread | None = None
 _graveyard_lock = threading.Lock()
 
 
-def init_training_group(
+def setup_training_group(
     store: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float, backend: str
 ) -> None:
-    """Create the default process group of generation ``gen``."""
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"{gen_prefix(gen)}/pg", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    """Bind the default process group to generation ``gen``, creating it if needed.
 
-
-def abandon_training_group(abort_backend: str = "gloo", hold_s: float = 180.0) -> None:
-    """Unregister the default group without blocking on in-flight gloo operations."""
-    if not dist.is_initialized():
-        return
-    pg = dist.group.WORLD
-    if abort_backend == "nccl":  # pragma: no cover - needs GPUs
-        try:
-            pg._get_backend(torch.device("cuda")).abort()  # type: ignore[union-attr]
-        except Exception:
-            pass
-    keep(pg, hold_s)
-    if not _forget_default_group(hold_s):
-        # Unknown torch internals: fall back to the public call, off the training thread.
-        threading.Thread(target=_destroy_quietly, daemon=True).start()
-        deadline = time.monotonic() + 5.0
-        while dist.is_initialized() and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-
-def _destroy_quietly() -> None:
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def _forget_default_group(hold_s: float) -> bool:
-    """Drop torch's registration of every group *without* ``shutdown()``.
-
-    ``destroy_process_group`` shuts each backend down, and a gloo shutdown waits for
-    pending operations: exactly what a failed generation has. This mirrors its
-    bookkeeping (torch 2.4-2.13 ``_world`` internals) minus the shutdown; the group
-    objects themselves go to the reaper. Returns False if the internals differ.
+    A script that called ``init_process_group`` under ``checkpointless run`` already has
+    the owned group (:func:`recovery.elastic_group.install_init_hook`); otherwise the
+    runtime creates it here with ``backend`` as the inner backend.
     """
-    c10d = dist.distributed_c10d
-    world = getattr(c10d, "_world", None)
-    names = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
-             "tags_to_pg", "pg_coalesce_state")
-    if world is None or not all(hasattr(world, n) for n in names):
-        return False
-    if not hasattr(c10d, "_update_default_pg"):
-        return False
-    for pg in list(world.pg_map):
-        keep(pg, hold_s)
-    c10d._update_default_pg(None)
-    for n in names:
-        getattr(world, n).clear()
-    if hasattr(c10d, "_unregister_all_process_groups"):
-        c10d._unregister_all_process_groups()
-    world.group_count = 0
-    return True
+    ctl = elastic_group.controller()
+    if ctl.store is None:
+        ctl.configure(store, timeout_s, elastic_group.inner_backends_for(backend))
+    if not dist.is_initialized():
+        elastic_group.register_backend()
+        original = elastic_group._original_init or dist.init_process_group
+        original(elastic_group.BACKEND_NAME, store=dist.HashStore(), rank=rank,
+                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    elif not elastic_group.is_owned(dist.group.WORLD) and world_size > 1:
+        raise RuntimeError(
+            "checkpointless: the default process group was not made by checkpointless "
+            f"({dist.get_backend()}); start the script with `checkpointless run` so that "
+            "init_process_group() gives the runtime's group")
+    ctl.activate(gen)
+
+
+def fail_training_groups(reason: str, wait_s: float = 5.0) -> None:
+    """Fail every collective in flight on the owned groups and free their backends."""
+    ctl = elastic_group.controller()
+    ctl.fail(reason)
+    ctl.wait_released(wait_s)
+
+
+def reset_ddp_modules() -> int:
+    """Give every ``DistributedDataParallel`` on the owned group a freshly built reducer.
+
+    DDP lays its gradient buckets out anew after its first iteration (in the order the
+    gradients became ready) and never again. A replacement's DDP is new, the
+    survivors' are not, so without this they would all-reduce buckets of different
+    layouts. Every rank therefore rebuilds its reducer after a recovery, the way torch's
+    own ``DistributedDataParallel.__setstate__`` does: all start from the same initial
+    layout and rebuild their buckets together after the first step. Comm hooks the
+    script registered are registered again. Returns the number of modules reset.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    count = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and elastic_group.is_owned(
+                getattr(obj, "process_group", None)):
+            _rebuild_reducer(obj)
+            count += 1
+    return count
+
+
+def _rebuild_reducer(ddp: Any) -> None:
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    for hook, state in getattr(ddp, "_comm_hooks", []):
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    ddp._has_rebuilt_buckets = False
 
 
 def keep(obj: Any, hold_s: float = 180.0) -> None:
@@ -117,7 +117,9 @@ def keep(obj: Any, hold_s: float = 180.0) -> None:
 def holding() -> bool:
     """True while some abandoned group may still have an operation pending."""
     with _graveyard_lock:
-        return bool(_graveyard)
+        if _graveyard:
+            return True
+    return elastic_group.controller().holding()
 
 
 def _reap_loop() -> None:

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from recovery import auth, process_groups, protocol
+from recovery import auth, elastic_group, process_groups, protocol
 from recovery.durable_restore import agree_and_read
 from recovery.env import WorkerEnv
 from recovery.errors import FailureDetected, Fenced, InjectedFault, RecoveryImpossible
@@ -45,6 +45,24 @@ from replication.replicator import Replicator
 from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
 from replication.transport import WaitAbandoned, wait_polled
+
+
+def _refuse_unlaunched_multiprocess(env: WorkerEnv) -> None:
+    """Several processes without ``checkpointless run`` cannot recover: say so at once.
+
+    Plain ``torchrun`` (or processes the script spawns itself with RANK/WORLD_SIZE set)
+    gives no job store, so each process would wait for peers that never come.
+    """
+    if env.launched:
+        return
+    world = env.world_size
+    if dist.is_available() and dist.is_initialized():
+        world = max(world, dist.get_world_size())
+    if world > 1:
+        raise RuntimeError(
+            f"checkpointless: this is rank {env.rank} of {world} processes started "
+            "without `checkpointless run` (plain torchrun or python); start the job with "
+            "`checkpointless run --nproc-per-node N script.py` (it takes torchrun's flags)")
 
 
 class Checkpointless:
@@ -69,6 +87,7 @@ class Checkpointless:
         own framework register stand-ins); ``start=False`` defers joining the job to
         :meth:`start`, for callers whose training state does not exist yet."""
         self.env = env or WorkerEnv.from_environ()
+        _refuse_unlaunched_multiprocess(self.env)
         self.settings = settings or (
             RuntimeSettings.from_json(self.env.config_json)
             if self.env.config_json else RuntimeSettings()
@@ -94,6 +113,8 @@ class Checkpointless:
         self.watchdog = Watchdog(
             self._connect_store() if self.env.launched else self.store,
             self.env.heartbeat_file, rec.heartbeat_interval_s,
+            on_failure=lambda g: elastic_group.controller().fail(
+                f"generation {g} was declared (a failure elsewhere in the job)"),
         )
         self.gen = protocol.current_generation(self.store)
         self.replicator: Replicator | None = None
@@ -345,7 +366,7 @@ class Checkpointless:
 
     def _setup_generation(self, gen: int) -> None:
         rs = self.settings
-        process_groups.init_training_group(
+        process_groups.setup_training_group(
             self.store, gen, self.rank, self.world_size, rs.recovery.collective_timeout_s,
             self.backend,
         )
@@ -375,17 +396,18 @@ class Checkpointless:
         )
 
     def _teardown_generation(self) -> None:
-        rs = self.settings
+        process_groups.fail_training_groups(f"generation {self.gen} failed")
         if self.replicator is not None:
-            process_groups.keep(self.replicator.abandon(), rs.replication.timeout_s + 10)
-        process_groups.abandon_training_group(
-            rs.recovery.abort_backend, rs.recovery.collective_timeout_s + 10
-        )
+            # Its sockets are shut down: a round blocked in a transfer fails at once. The
+            # round thread may still wait for a commit in the store (bounded by its
+            # timeout); it holds the channel until then.
+            process_groups.keep(self.replicator.abandon(), 5.0)
 
     def _cause_of(self, exc: Exception) -> dict[str, Any]:
+        text = str(exc).lower()
         local = isinstance(exc, InjectedFault) or (
-            not isinstance(exc, FailureDetected) and "gloo" not in str(exc).lower()
-            and "connection" not in str(exc).lower()
+            not isinstance(exc, FailureDetected) and "gloo" not in text
+            and "connection" not in text and "checkpointless: collective" not in text
         )
         return {"kind": "exception" if local else "peer_failure", "rank": self.rank,
                 "error": f"{type(exc).__name__}: {str(exc)[:300]}", "local": local}
@@ -434,6 +456,7 @@ class Checkpointless:
                     "kind": "failure_during_recovery", "rank": self.rank, "ts": time.time(),
                     "error": str(exc)[:300]})
                 self._teardown_generation()
+        ddp_reset = process_groups.reset_ddp_modules()
         t_done = time.time()
         first = protocol.read_json(self.store, protocol.cause_key(gen)) or {}
         timings = {
@@ -446,6 +469,8 @@ class Checkpointless:
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
                 "newcomers": plan.newcomers, "providers": plan.providers,
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
+                "ddp_modules_reset": ddp_reset,
+                "local_collectives": elastic_group.controller().local_collectives,
                 "recovered_at": t_done}
         self.log.emit("recovery", rank=self.rank, **info)
         self._resumed_from = info

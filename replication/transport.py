@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from replication.abortable_gloo import AbortableGloo
+
 _POLL = datetime.timedelta(milliseconds=100)
 
 
@@ -80,14 +82,9 @@ class SideChannel:
         self.world_size = world_size
         self._aborted = False
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        pstore = dist.PrefixStore(prefix, store)
-        if hostname:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = self.timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-            self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, opts)
-        else:
-            self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
+        self._group = AbortableGloo.create(dist.PrefixStore(prefix, store), rank, world_size,
+                                           timeout_s, hostname)
+        self.pg = self._group.backend
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of a same-shaped tensor."""
@@ -122,9 +119,10 @@ class SideChannel:
         self._wait(works, what)
 
     def abort(self) -> None:
-        """Make later waits on this channel give up at once (a wait already blocked in
-        gloo runs to its timeout: see :meth:`_wait`)."""
+        """Make every wait on this channel give up now: later ones at once, and one
+        already blocked in gloo as its sockets are shut down (:mod:`.abortable_gloo`)."""
         self._aborted = True
+        self._group.abort()
 
     def _wait(self, works: Sequence, what: str) -> None:
         # Not polled: a gloo send/recv whose wait times out closes the pair ("Application

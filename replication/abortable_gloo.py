@@ -1,0 +1,140 @@
+"""A gloo process group that can be aborted, and then really freed.
+
+Gloo has no working abort: ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at
+once but release no pending operation, and destroying a group whose operation waits on
+a silent peer joins its worker threads (with the GIL held) until the operation's own
+timeout. Measured on torch 2.13 (``docs/adr/0015-owned-process-group.md``): shutting
+down the group's *connected* TCP sockets makes every pending operation on them fail
+within a millisecond ("Connection closed by peer"), on this rank and on the peers at
+the other end; after that the group destroys in milliseconds and its threads are gone.
+
+So a group is created while we watch which sockets it opens (a process-wide lock
+serialises group creation, so the sockets that appear are its own), and ``abort``
+shuts those down. The listening socket is never touched: gloo's accept loop treats an
+error there as fatal and aborts the process. Each socket is checked to still be the
+one recorded (same inode) before it is shut down, and it is never closed here (gloo
+owns the descriptor and closes it when the group is destroyed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+_create_lock = threading.Lock()
+_FD_DIR = "/proc/self/fd"
+
+
+def _socket_fds() -> dict[int, str]:
+    """Open socket descriptors of this process: fd -> ``socket:[inode]``."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:  # no procfs: abort degrades to "wait for the timeout"
+        return found
+    for name in names:
+        try:
+            link = os.readlink(f"{_FD_DIR}/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+def _is_connected_tcp(fd: int) -> bool:
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                  socket.AF_INET6):
+            return False
+        return not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        return False
+    finally:
+        sock.detach()  # gloo owns the descriptor: never close it here
+
+
+class AbortableGloo:
+    """A ``ProcessGroupGloo`` plus the connected sockets it opened.
+
+    ``backend`` is the gloo group (a ``torch.distributed`` Backend). ``abort()`` makes
+    every operation pending on it fail now, here and at the peers; ``release()`` drops
+    this object's reference once nothing is pending, so the group's threads and
+    sockets really go away.
+    """
+
+    def __init__(self, backend: Any, sockets: dict[int, str]) -> None:
+        self.backend: Any = backend
+        self.sockets = sockets
+        self.aborted = False
+
+    @classmethod
+    def create(
+        cls, store: dist.Store, rank: int, size: int, timeout_s: float,
+        hostname: str | None = None,
+    ) -> AbortableGloo:
+        """Connect a gloo group of ``size`` ranks over ``store`` (a collective call);
+        ``hostname`` pins the interface it listens on (``--bind``)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        with _create_lock:
+            before = _socket_fds()
+            if hostname:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+                backend = dist.ProcessGroupGloo(store, rank, size, opts)
+            else:
+                backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+            after = _socket_fds()
+        mine = {fd: link for fd, link in after.items()
+                if before.get(fd) != link and _is_connected_tcp(fd)}
+        return cls(backend, mine)
+
+    def abort(self) -> int:
+        """Shut down the group's connections; returns how many were shut down.
+
+        Idempotent. Pending operations fail at once with gloo's "Connection closed"
+        error, on this rank and on each peer at the other end of a socket.
+        """
+        self.aborted = True
+        done = 0
+        for fd, link in self.sockets.items():
+            try:
+                if os.readlink(f"{_FD_DIR}/{fd}") != link:
+                    continue  # gloo closed it and the number was reused: not ours
+            except OSError:
+                continue
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+            except OSError:
+                pass  # already closed by the peer: nothing pending on it
+            finally:
+                sock.detach()
+        return done
+
+    def release(self, pending: list[Any] | None = None, wait_s: float = 5.0) -> bool:
+        """Drop the group once ``pending`` works have ended (they do, after ``abort``).
+
+        Returns False, keeping the reference, if some work is still running after
+        ``wait_s``: destroying the group then would join a blocked worker thread with
+        the GIL held. The caller hands such a group to the reaper
+        (:func:`recovery.process_groups.keep`) instead.
+        """
+        deadline = time.monotonic() + wait_s
+        for work in pending or ():
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.002)
+        self.backend = None
+        self.sockets = {}
+        return True
