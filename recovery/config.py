@@ -33,9 +33,16 @@ class RecoveryConfig:
     abort_backend: str = field(
         default="auto",
         metadata={
-            "help": "how process groups are torn down: 'auto', 'gloo' (abandon) or 'nccl' (abort)",
+            "help": "kept for old recipes; each inner backend is aborted its own way "
+                    "(gloo: sockets shut down, nccl: abort), see ADR 0015",
             "choices": ["auto", "gloo", "nccl"],
         },
+    )
+    ordered_allreduce: bool = field(
+        default=True,
+        metadata={"help": "sum float all-reduces in rank order (3+ ranks): results do not "
+                          "depend on DDP's bucket layout, so recovered runs stay "
+                          "bit-identical; costs (N-1)x the tensor in traffic"},
     )
     durable_fallback: bool = field(
         default=True,

@@ -686,6 +686,7 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
     settings = RuntimeSettings.from_json(wenv.config_json) if wenv.config_json \
         else RuntimeSettings()
     ctl = _controller
+    ctl.ordered_allreduce = settings.recovery.ordered_allreduce
     if ctl.store is None:
         ctl.configure(_connect(wenv), timeout_s or settings.recovery.collective_timeout_s,
                       inner)

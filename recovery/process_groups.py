@@ -32,7 +32,8 @@ _graveyard_lock = threading.Lock()
 
 
 def setup_training_group(
-    store: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float, backend: str
+    store: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float, backend: str,
+    ordered_allreduce: bool = True,
 ) -> None:
     """Bind the default process group to generation ``gen``, creating it if needed.
 
@@ -41,6 +42,7 @@ def setup_training_group(
     runtime creates it here with ``backend`` as the inner backend.
     """
     ctl = elastic_group.controller()
+    ctl.ordered_allreduce = ordered_allreduce
     if ctl.store is None:
         ctl.configure(store, timeout_s, elastic_group.inner_backends_for(backend))
     if not dist.is_initialized():

@@ -58,8 +58,8 @@ def _refuse_unlaunched_multiprocess(env: WorkerEnv) -> None:
     world = env.world_size
     if dist.is_available() and dist.is_initialized():
         world = max(world, dist.get_world_size())
-    if world > 1:
-        raise RuntimeError(
+    if world > 1:  # one line, no traceback: SystemExit prints just the message
+        raise SystemExit(
             f"checkpointless: this is rank {env.rank} of {world} processes started "
             "without `checkpointless run` (plain torchrun or python); start the job with "
             "`checkpointless run --nproc-per-node N script.py` (it takes torchrun's flags)")
@@ -368,7 +368,7 @@ class Checkpointless:
         rs = self.settings
         process_groups.setup_training_group(
             self.store, gen, self.rank, self.world_size, rs.recovery.collective_timeout_s,
-            self.backend,
+            self.backend, rs.recovery.ordered_allreduce,
         )
         old = self.replicator
         try:

@@ -1,0 +1,62 @@
+"""A user's DDP loop (``init_process_group``, ``DistributedDataParallel`` built once, a
+``dist.broadcast`` of a stop flag every step as Lightning does), plus what the owned
+process group tests measure: per-step wall times, this process's thread count after
+each step and its CPU time, written to ``final_rank<r>.json`` with the state digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from examples.gpt import CharData, TinyGPT, loss_fn, make_corpus, state_digest
+from recovery import Checkpointless
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # DDP's constructor broadcasts rank 0's weights
+    data = CharData(make_corpus(), 16, 4, rank, world, seed=0)
+    model = DDP(TinyGPT(data.vocab_size, args.dim, 1, seq_len=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cl = Checkpointless(model=model, optimizer=opt, loader=data)
+    times: dict[int, float] = {}
+    threads: dict[int, int] = {}
+
+    def train_step(step: int) -> None:
+        t0 = time.perf_counter()
+        stop = torch.tensor([0], dtype=torch.int32)
+        dist.broadcast(stop, 0)  # the user's own blocking collective, every step
+        x, y = data.next_batch()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        times[step] = time.perf_counter() - t0
+        threads[step] = len(os.listdir("/proc/self/task"))
+
+    cl.run(train_step, args.steps)
+    with open(os.path.join(cl.env.run_dir, f"final_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "step": cl.step, "digest": state_digest(model.module, opt),
+                   "data_order": data.order_hash, "position": data.position, "gen": cl.gen,
+                   "step_times": times, "threads": threads,
+                   "cpu_s": time.process_time()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
