@@ -276,6 +276,10 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def _inner_done(self, op: _Op, post: Callable[[], Any] | None,
                     fut: torch.futures.Future) -> None:
+        # The inner future holds this callback, which holds ``op``: drop ``op``'s
+        # reference to the inner work, or the cycle (through C++, invisible to Python's
+        # collector) keeps the failed generation's gloo context and threads alive.
+        op.inner = None
         try:
             value = fut.value()
         except Exception as exc:  # a peer died: the inner group said so

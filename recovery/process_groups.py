@@ -34,18 +34,20 @@ _graveyard_lock = threading.Lock()
 def setup_training_group(
     store: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float, backend: str,
     ordered_allreduce: bool = True,
-) -> None:
+) -> bool:
     """Bind the default process group to generation ``gen``, creating it if needed.
 
     A script that called ``init_process_group`` under ``checkpointless run`` already has
     the owned group (:func:`recovery.elastic_group.install_init_hook`); otherwise the
-    runtime creates it here with ``backend`` as the inner backend.
+    runtime creates it here with ``backend`` as the inner backend. Returns True when
+    it created the group (then the runtime destroys it at the end, not the script).
     """
     ctl = elastic_group.controller()
     ctl.ordered_allreduce = ordered_allreduce
     if ctl.store is None:
         ctl.configure(store, timeout_s, elastic_group.inner_backends_for(backend))
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         elastic_group.register_backend()
         original = elastic_group._original_init or dist.init_process_group
         original(elastic_group.BACKEND_NAME, store=dist.HashStore(), rank=rank,
@@ -56,6 +58,7 @@ def setup_training_group(
             f"({dist.get_backend()}); start the script with `checkpointless run` so that "
             "init_process_group() gives the runtime's group")
     ctl.activate(gen)
+    return created
 
 
 def fail_training_groups(reason: str, wait_s: float = 5.0) -> None:

@@ -117,6 +117,7 @@ class Checkpointless:
                 f"generation {g} was declared (a failure elsewhere in the job)"),
         )
         self.gen = protocol.current_generation(self.store)
+        self._created_group = False  # True: the runtime made the default group, not the script
         self.replicator: Replicator | None = None
         self.durable = self._make_durable_writer()
         self._persist_ticket: Any = None
@@ -353,8 +354,8 @@ class Checkpointless:
         # The watchdog keeps beating until the process exits: the script may still have
         # work to do after training (saving, evaluation), and a silent rank looks hung.
         self.replicator.close()
-        if destroy_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if destroy_group and self._created_group and dist.is_initialized():
+            dist.destroy_process_group()  # the script's own group is the script's to destroy
 
     # -- generations -------------------------------------------------------------------
     def _connect_store(self) -> dist.Store:
@@ -366,7 +367,7 @@ class Checkpointless:
 
     def _setup_generation(self, gen: int) -> None:
         rs = self.settings
-        process_groups.setup_training_group(
+        self._created_group |= process_groups.setup_training_group(
             self.store, gen, self.rank, self.world_size, rs.recovery.collective_timeout_s,
             self.backend, rs.recovery.ordered_allreduce,
         )

@@ -123,6 +123,10 @@ class SideChannel:
         already blocked in gloo as its sockets are shut down (:mod:`.abortable_gloo`)."""
         self._aborted = True
         self._group.abort()
+        # Drop the group: an abandoned round's thread may still hold this channel while
+        # it waits for a commit, and the group's threads must not live that long.
+        self._group.release()
+        self.pg = None
 
     def _wait(self, works: Sequence, what: str) -> None:
         # Not polled: a gloo send/recv whose wait times out closes the pair ("Application
@@ -141,6 +145,7 @@ class SideChannel:
     def close(self) -> None:
         """Drop the group. Gloo cannot abort in-flight ops; dropping is all we can do."""
         try:
-            self.pg.shutdown()
+            if self.pg is not None:
+                self.pg.shutdown()
         except Exception:
             pass

@@ -74,11 +74,16 @@ def test_user_ddp_survives_a_kill(tmp_path, reference, fault):
     for rank, final in finals.items():
         if rank == victim:
             continue
-        threads = {int(k): v for k, v in final["threads"].items()}
-        before, after = threads[FAULT_STEP - 2], threads[max(threads)]
-        assert after <= before, (
-            f"rank {rank}: {after} threads at the end against {before} before the failure: "
-            "something of the failed generation is still running")
+        names = {int(k): v for k, v in final["thread_names"].items()}
+        before, after = names[FAULT_STEP - 2], names[max(names)]
+        workers = (before.count("pt_gloo_runloop"), after.count("pt_gloo_runloop"))
+        assert workers[1] <= workers[0], (
+            f"rank {rank}: {workers[1]} gloo worker threads at the end against {workers[0]} "
+            f"before the failure: a failed generation's group is still alive\n{after}")
+        # Known leftover (README): the abandoned replication round keeps its channel's
+        # idle event-loop thread until its commit wait ends, plus the runtime's reaper.
+        assert len(after) <= len(before) + 2, (
+            f"rank {rank}: threads before the failure {before}, at the end {after}")
         times = {int(k): v for k, v in final["step_times"].items()}
         pre = statistics.median(times[s] for s in range(3, FAULT_STEP - 1))
         post = statistics.median(times[s] for s in range(FAULT_STEP + 4, max(times) + 1))

@@ -19,6 +19,17 @@ from examples.gpt import CharData, TinyGPT, loss_fn, make_corpus, state_digest
 from recovery import Checkpointless
 
 
+def _thread_names() -> list[str]:
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out.append(f.read().strip())
+        except OSError:
+            pass
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
@@ -35,6 +46,7 @@ def main() -> None:
     cl = Checkpointless(model=model, optimizer=opt, loader=data)
     times: dict[int, float] = {}
     threads: dict[int, int] = {}
+    names: dict[int, list[str]] = {}
 
     def train_step(step: int) -> None:
         t0 = time.perf_counter()
@@ -48,12 +60,13 @@ def main() -> None:
             time.sleep(args.step_sleep)
         times[step] = time.perf_counter() - t0
         threads[step] = len(os.listdir("/proc/self/task"))
+        names[step] = sorted(_thread_names())
 
     cl.run(train_step, args.steps)
     with open(os.path.join(cl.env.run_dir, f"final_rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "step": cl.step, "digest": state_digest(model.module, opt),
                    "data_order": data.order_hash, "position": data.position, "gen": cl.gen,
-                   "step_times": times, "threads": threads,
+                   "step_times": times, "threads": threads, "thread_names": names,
                    "cpu_s": time.process_time()}, f)
     dist.destroy_process_group()
 
