@@ -692,7 +692,7 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
     ctl = _controller
     ctl.ordered_allreduce = settings.recovery.ordered_allreduce
     if ctl.store is None:
-        ctl.configure(_connect(wenv), timeout_s or settings.recovery.collective_timeout_s,
+        ctl.configure(wenv.connect_store(), timeout_s or settings.recovery.collective_timeout_s,
                       inner)
     else:
         ctl.inner_backends = dict(inner)
@@ -704,10 +704,3 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
     if starting and ctl.gen is None:
         ctl.activate(0)
 
-
-def _connect(wenv: Any) -> dist.Store:
-    if not wenv.launched:
-        return dist.HashStore()
-    host, port = wenv.store_addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False,
-                         timeout=datetime.timedelta(seconds=60))

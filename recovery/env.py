@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from recovery import protocol
 
@@ -31,6 +32,18 @@ class WorkerEnv:
     @property
     def launched(self) -> bool:
         return self.store_addr is not None
+
+    def connect_store(self) -> Any:
+        """A client of the job store; an in-process store when not launched."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if not self.launched:
+            return dist.HashStore()
+        host, port = self.store_addr.rsplit(":", 1)  # type: ignore[union-attr]
+        return dist.TCPStore(host, int(port), is_master=False,
+                             timeout=datetime.timedelta(seconds=60))
 
     @staticmethod
     def from_environ(environ: dict[str, str] | None = None) -> WorkerEnv:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
 import os
 import sys
 import time
@@ -359,11 +358,7 @@ class Checkpointless:
 
     # -- generations -------------------------------------------------------------------
     def _connect_store(self) -> dist.Store:
-        if not self.env.launched:
-            return dist.HashStore()
-        host, port = self.env.store_addr.rsplit(":", 1)  # type: ignore[union-attr]
-        return dist.TCPStore(host, int(port), is_master=False,
-                             timeout=datetime.timedelta(seconds=60))
+        return self.env.connect_store()
 
     def _setup_generation(self, gen: int) -> None:
         rs = self.settings

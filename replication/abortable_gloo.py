@@ -22,7 +22,6 @@ import datetime
 import os
 import socket
 import threading
-import time
 from typing import Any
 
 import torch.distributed as dist
@@ -121,20 +120,10 @@ class AbortableGloo:
                 sock.detach()
         return done
 
-    def release(self, pending: list[Any] | None = None, wait_s: float = 5.0) -> bool:
-        """Drop the group once ``pending`` works have ended (they do, after ``abort``).
-
-        Returns False, keeping the reference, if some work is still running after
-        ``wait_s``: destroying the group then would join a blocked worker thread with
-        the GIL held. The caller hands such a group to the reaper
-        (:func:`recovery.process_groups.keep`) instead.
-        """
-        deadline = time.monotonic() + wait_s
-        for work in pending or ():
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.002)
+    def release(self) -> None:
+        """Drop this object's reference to the group, once nothing is pending on it
+        (the caller checks; after :meth:`abort` pending works end within milliseconds).
+        Destroying a group with a blocked operation would join its worker thread with
+        the GIL held, so a caller that cannot tell keeps it (``process_groups.keep``)."""
         self.backend = None
         self.sockets = {}
-        return True
