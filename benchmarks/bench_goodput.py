@@ -65,7 +65,10 @@ completion of the final step, so start-up and shutdown are left out alike:
   includes the steady-state cost of snapshots, ``steady_overhead``).
 - ``bit_identical``: every rank's final model+optimizer digest, step, data order and
   data position equal the reference's (``not_identical_because`` otherwise);
-  ``baseline_bit_identical``: the same check for the baseline's final state.
+  ``baseline_bit_identical``: the same check for the baseline's final state against the
+  baseline's own failure-free run (``baseline_reference_identical``: against ours; with
+  3+ ranks it is false because torchrun's gloo ring all-reduce sums in another order than
+  the runtime's rank-ordered one, ADR 0015).
 - ``detect_s``, ``recover_s``, ``lost_work_s``: means per incident;
   ``recovery_abort_s``, ``recovery_rendezvous_s``, ``recovery_transfer_s``: the worst
   rank's phase timings from the ``recovery`` events, mean per incident.

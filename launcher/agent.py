@@ -278,6 +278,7 @@ class Agent:
             del self.workers[w.rank]
             sig = exit_signal(code)
             self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
+            self._publish_process(w.rank, w.pid, "exited", exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)
             elif protocol.is_trained(self.store, w.rank):
@@ -309,6 +310,8 @@ class Agent:
             return
         self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=w.proc.returncode,
                    signal=exit_signal(w.proc.returncode))
+        self._publish_process(w.rank, w.pid, "exited", exitcode=w.proc.returncode,
+                              signal="SIGKILL", hung=True)
         cause = {"kind": "worker_hung", "rank": w.rank, "node": self.node,
                  "exitcode": w.proc.returncode, "signal": "SIGKILL", "silent_s": round(silent, 3)}
         self._on_failure(w, cause, detected)
@@ -365,6 +368,7 @@ class Agent:
         self.workers[rank] = Worker(rank, local, group, proc, hb, restart_count, gen, spare)
         self._emit("worker_start", rank=rank, local_rank=local, group_rank=group, pid=proc.pid,
                    replacement=replacement, spare=spare, restart_count=restart_count)
+        self._publish_process(rank, proc.pid, "running", replacement=replacement)
         if replacement:
             took = time.monotonic() - detected_at if detected_at is not None else None
             self._emit("replacement_assigned", rank=rank, pid=proc.pid, spare=spare, gen=gen,
@@ -544,6 +548,14 @@ class Agent:
     # --- small helpers --------------------------------------------------------------
     def _ranks(self, group: int) -> list[int]:
         return [group * self.args.nproc + i for i in range(self.args.nproc)]
+
+    def _publish_process(self, rank: int, pid: int, state: str, **extra: Any) -> None:
+        """Tell the job what became of ``rank``'s process (read by a rendezvous that
+        waits for it); best effort: the store may be going away with the job."""
+        try:
+            protocol.publish_rank_process(self.store, rank, self.node, pid, state, **extra)
+        except Exception:  # never let bookkeeping stop supervision
+            pass
 
     def _emit(self, event: str, **fields: Any) -> None:
         self.events.emit(event, node=self.node, **fields)

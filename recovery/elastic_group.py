@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
+import inspect
 import os
 import threading
 import time
@@ -173,12 +175,19 @@ class ElasticProcessGroup(dist.ProcessGroup):
     """A process group whose backend is swapped for each generation; see the module doc."""
 
     def __init__(self, controller: Controller, rank: int, size: int,
-                 global_ranks: list[int], name: str) -> None:
+                 global_ranks: list[int], name: str, bind_key: str = "",
+                 timeout_s: float | None = None) -> None:
         super().__init__(rank, size)
         self._controller = controller
         self._rank, self._size = rank, size
         self._global_ranks = list(global_ranks)
         self._name = name
+        # Where its members meet for each generation's inner group. Not torch's name:
+        # that counts every group this process ever made, and a replacement has made
+        # fewer than the survivors (see Controller.create).
+        self.bind_key = bind_key or name
+        self.timeout_s = timeout_s
+        self.closed = False
         self._lock = threading.Lock()
         self._gen: int | None = None
         self._inner: dict[str, _Inner] = {}
@@ -204,8 +213,12 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 f"generation {self._gen})")
 
     # -- generations -----------------------------------------------------------------
-    def _bind(self, gen: int) -> None:
-        """Build this generation's inner backends (a collective over the group's ranks)."""
+    def _bind(self, gen: int, nonce: int = 0) -> None:
+        """Build this generation's inner backends (a collective over the group's ranks).
+
+        ``nonce`` tells apart groups of one key made one after another within a
+        generation (a group made and destroyed in a loop): each meets under fresh keys.
+        """
         with self._lock:
             if self._gen == gen and self._failure is None:
                 return
@@ -214,7 +227,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self._controller.retire(list(old.values()), [])
         inner: dict[str, _Inner] = {}
         for device, kind in self._controller.inner_backends.items():
-            inner[device] = self._controller.make_inner(self, gen, device, kind)
+            inner[device] = self._controller.make_inner(self, gen, device, kind, nonce)
         with self._lock:
             if self._controller.epoch != epoch:  # a failure was declared meanwhile
                 stale = list(inner.values())
@@ -302,9 +315,25 @@ class ElasticProcessGroup(dist.ProcessGroup):
     # -- collectives (names and arguments as torch's ProcessGroup calls them) ----------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceOptions()
+        post = None
+        if opts.reduceOp == dist.ReduceOp.AVG and self._device_of(tensors) == "cpu":
+            # gloo has no AVG, and code that asks dist.get_backend() whether it runs on
+            # gloo (Lightning's metric sync) sees "checkpointless" and asks for it.
+            summed = AllreduceOptions()
+            summed.reduceOp, summed.timeout = dist.ReduceOp.SUM, opts.timeout
+            opts, post = summed, functools.partial(self._divide, tensors)
         if self._ordered(tensors, opts):
-            return self._ordered_sum(tensors[0])
-        return self._run(tensors, lambda b: b.allreduce(tensors, opts), lambda: tensors)
+            return self._ordered_sum(tensors[0], post)
+        return self._run(tensors, lambda b: b.allreduce(tensors, opts), lambda: tensors, post)
+
+    def _divide(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean from a sum (integers truncate, as Lightning's gloo path does)."""
+        for t in tensors:
+            if t.is_floating_point() or t.is_complex():
+                t.div_(self._size)
+            else:
+                t.copy_(t / self._size)
+        return tensors
 
     def _ordered(self, tensors: list[torch.Tensor], opts: Any) -> bool:
         """Whether this all-reduce is summed in rank order (see :meth:`_ordered_sum`)."""
@@ -314,7 +343,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return (t.is_floating_point() and t.device.type == "cpu"
                 and opts.reduceOp == dist.ReduceOp.SUM)
 
-    def _ordered_sum(self, tensor: torch.Tensor) -> Any:
+    def _ordered_sum(self, tensor: torch.Tensor,
+                     then: Callable[[], Any] | None = None) -> Any:
         """A floating-point sum whose every element adds the ranks in rank order.
 
         A ring all-reduce adds the ranks in an order that depends on where an element
@@ -334,7 +364,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             for part in parts[1:]:
                 total.add_(part)
             tensor.copy_(total.view_as(tensor))
-            return [tensor]
+            return then() if then is not None else [tensor]
         return self._run([tensor], lambda b: b._allgather_base(
             gathered, flat, AllgatherOptions()), lambda: [tensor], add_in_rank_order)
 
@@ -441,6 +471,12 @@ class ElasticProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else BarrierOptions()
         return self._run(None, lambda b: b.barrier(opts), lambda: [])
 
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier`` (Lightning's ``_InfiniteBarrier`` calls it on a
+        group it makes with ``backend="gloo"``): a barrier that a declared failure ends."""
+        self.barrier().wait()
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self._run(tensors, lambda b: b.send(tensors, dst, tag), self._no_local("send"))
 
@@ -459,6 +495,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """``destroy_process_group``: a graceful close. Peers may still be finishing
         the last collective, so the sockets are not shut down unless work is pending."""
+        self.closed = True
         with self._lock:
             self._failure = "the process group was destroyed"
             pending, self._pending = list(self._pending), set()
@@ -493,6 +530,7 @@ class Controller:
         self._groups: list[weakref.ref[ElasticProcessGroup]] = []
         self._lock = threading.Lock()
         self._graveyard: list[tuple[list[_Inner], list[Any]]] = []
+        self._made_in_gen: dict[str, int] = {}
         self.on_retire_stuck: Callable[[Any], None] | None = None
 
     def configure(self, store: dist.Store, timeout_s: float,
@@ -504,34 +542,53 @@ class Controller:
 
     def groups(self) -> list[ElasticProcessGroup]:
         with self._lock:
-            alive = [g for g in (ref() for ref in self._groups) if g is not None]
+            alive = [g for g in (ref() for ref in self._groups)
+                     if g is not None and not g.closed]
             self._groups = [weakref.ref(g) for g in alive]
-        return alive
+        return sorted(alive, key=lambda g: g.bind_key)  # one order on every member
 
     def create(self, opts: Any, _backend_options: Any = None) -> ElasticProcessGroup:
-        """The creator torch calls for ``backend="checkpointless"`` (extended API)."""
+        """The creator torch calls for ``backend="checkpointless"`` (extended API).
+
+        Members meet under a key made of the group's ranks and how many open groups of
+        the same ranks this process already has. torch's own name counts every group
+        ever made: a replacement that re-runs the script's set-up, or survivors that
+        re-enter a loop which makes and destroys a group each time (Lightning's
+        ``prepare_data`` barrier), would disagree on it and wait for each other forever.
+        """
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-        group = ElasticProcessGroup(self, opts.group_rank, opts.group_size, ranks,
-                                    str(opts.group_id))
+        same = sum(1 for g in self.groups() if g._global_ranks == ranks)
+        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+        timeout = getattr(opts, "timeout", None)
+        group = ElasticProcessGroup(
+            self, opts.group_rank, opts.group_size, ranks, str(opts.group_id),
+            bind_key=f"{digest}.{same}",
+            timeout_s=timeout.total_seconds() if timeout is not None else None)
         with self._lock:
             self._groups.append(weakref.ref(group))
         if self.failure is not None:
             group._failure = self.failure
         elif self.gen is not None:
-            group._bind(self.gen)  # a group made mid-generation: every member is here now
+            # A group made mid-generation: every member makes it now. Count the ones made
+            # under this key since the generation began (the same count on every member).
+            with self._lock:
+                nonce = self._made_in_gen[group.bind_key] = \
+                    self._made_in_gen.get(group.bind_key, 0) + 1
+            group._bind(self.gen, nonce)
         return group
 
     def make_inner(self, group: ElasticProcessGroup, gen: int, device: str,
-                   kind: str) -> _Inner:
+                   kind: str, nonce: int = 0) -> _Inner:
         assert self.store is not None, "Controller.configure() first"
-        store = dist.PrefixStore(f"{gen_prefix(gen)}/pg/{group.group_name}/{device}",
+        store = dist.PrefixStore(f"{gen_prefix(gen)}/pg/{group.bind_key}.{nonce}/{device}",
                                  self.store)
+        timeout_s = group.timeout_s or self.timeout_s
         if kind == "gloo":
-            gloo = AbortableGloo.create(store, group._rank, group._size, self.timeout_s)
+            gloo = AbortableGloo.create(store, group._rank, group._size, timeout_s)
             return _Inner(kind, gloo.backend, gloo)
         if kind == "nccl":  # pragma: no cover - needs GPUs (untested here)
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=self.timeout_s)
+            opts._timeout = datetime.timedelta(seconds=timeout_s)
             backend = dist.ProcessGroupNCCL(store, group._rank, group._size, opts)
             return _Inner(kind, backend, None)
         raise ValueError(f"checkpointless: unsupported inner backend {kind!r} for {device}")
@@ -539,7 +596,9 @@ class Controller:
     def activate(self, gen: int) -> None:
         """Bind every group to generation ``gen`` (collective: all ranks call it)."""
         self.gen, self.failure = gen, None
-        for group in self.groups():  # creation order: the same on every member
+        with self._lock:
+            self._made_in_gen = {}
+        for group in self.groups():  # sorted by bind key: the same order on every member
             group._bind(gen)
         self._reap()
 
@@ -670,6 +729,33 @@ def install_init_hook(environ: dict[str, str] | None = None) -> None:
 
     dist.init_process_group = init_process_group
     dist.distributed_c10d.init_process_group = init_process_group
+    _install_new_group_hook()
+
+
+def _install_new_group_hook() -> None:
+    """``new_group(backend="gloo")`` (Lightning's ``prepare_data`` barrier, libraries
+    that want a CPU side group) makes an owned group too, once the default one is.
+
+    A plain gloo group would rendezvous through the default group's store, which is
+    this process's alone, and hang; it would also outlive a failure unaborted.
+    """
+    original = dist.distributed_c10d.new_group
+    params = inspect.signature(original).parameters
+    if "backend" not in params:  # pragma: no cover - another torch
+        return
+
+    @functools.wraps(original)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(original).bind_partial(*args, **kwargs)
+        backend = bound.arguments.get("backend")
+        if backend is not None and str(backend).lower() != BACKEND_NAME and \
+                dist.is_initialized() and is_owned(dist.distributed_c10d._get_default_group()):
+            bound.arguments["backend"] = None  # inherit the default: checkpointless
+            bound.arguments.pop("pg_options", None)
+        return original(*bound.args, **bound.kwargs)
+
+    dist.new_group = new_group
+    dist.distributed_c10d.new_group = new_group
 
 
 def join_default_group(rank: int, world_size: int, inner: dict[str, str],

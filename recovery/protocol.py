@@ -78,6 +78,26 @@ def agent_info_key(node: int) -> str:
     return f"{PREFIX}/agent/{node}/info"
 
 
+def rank_process_key(rank: int) -> str:
+    return f"{PREFIX}/rank/{rank}/process"
+
+
+def publish_rank_process(store: dist.Store, rank: int, node: int, pid: int, state: str,
+                         **extra: Any) -> None:
+    """What the agent that runs ``rank`` knows of its process: ``state`` is "running"
+    (started, not seen to exit) or "exited" (with ``exitcode``/``signal``). A rendezvous
+    reads it to tell a rank on its way from one that is gone (:mod:`recovery.rendezvous`).
+    """
+    auth.put(store, rank_process_key(rank), json.dumps(
+        {"rank": rank, "node": node, "pid": pid, "state": state, "ts": time.time(), **extra}))
+
+
+def agent_beats(store: dist.Store, node: int) -> int | None:
+    """Agent ``node``'s heartbeat counter (None if absent or not validly sealed)."""
+    payload = auth.read(store, agent_heartbeat_key(node))
+    return None if payload is None else int(payload)
+
+
 
 # Per store client: the sealed cause records of generations 1..G as verified so far, so
 # a walk resumes where it stopped and a clobbered record can be put back.

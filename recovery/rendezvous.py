@@ -15,10 +15,11 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
-from recovery import auth
+from recovery import auth, protocol
 from recovery.errors import Fenced, RecoveryImpossible
 from recovery.protocol import JoinRecord, join_key
 
@@ -75,6 +76,7 @@ def join(
     keys = [join_key(gen, r) for r in range(world_size)]
     seen: dict[int, JoinRecord] = {record.rank: record}
     deadline = time.monotonic() + timeout_s
+    extensions = 0
     for polls in itertools.count(1):
         if (polls % 20 == 0 or polls > FAST_POLLS) and (why := fenced()) is not None:
             raise Fenced(why)
@@ -96,12 +98,78 @@ def join(
                        and not _joined(store, keys[r], seen, r)]
             if not missing:
                 return dict(sorted(seen.items()))
+            seen_of = {r: missing_rank(store, r) for r in missing}
+            if extensions < MAX_EXTENSIONS and any(m.on_its_way for m in seen_of.values()):
+                extensions += 1  # a live process is on its way: never give up on it
+                deadline = time.monotonic() + timeout_s
+                continue
+            waited = timeout_s * (1 + extensions)
             raise RecoveryImpossible(
-                f"generation {gen}: ranks {missing} did not rejoin within {timeout_s:.0f}s "
-                "(no replacement process started for them: is a spare node or spare worker "
-                "available?)"
-            )
+                f"generation {gen}: ranks {missing} did not rejoin within {waited:.0f}s: "
+                + "; ".join(m.describe() for m in seen_of.values()))
         time.sleep(0.005 if polls < FAST_POLLS else 0.05)
+
+
+MAX_EXTENSIONS = 3
+"""How many more ``timeout_s`` a rendezvous waits for a rank whose process is alive.
+Bounded: a live process that never joins is stuck, and its agent's heartbeat check
+kills it long before this runs out."""
+
+AGENT_BEAT_WAIT_S = 3.0
+"""How long a rendezvous watches an agent's heartbeat counter to tell it is alive."""
+
+
+@dataclass(frozen=True)
+class MissingRank:
+    """What the store shows about a rank that has not joined a generation."""
+
+    rank: int
+    process: dict[str, Any] | None  # the agent's record (protocol.publish_rank_process)
+    agent_alive: bool | None  # its agent's heartbeat moved while we watched
+
+    @property
+    def on_its_way(self) -> bool:
+        p = self.process
+        return bool(p and p.get("state") == "running" and self.agent_alive)
+
+    def describe(self) -> str:
+        p = self.process
+        if p is None:
+            return (f"rank {self.rank}: no process was ever recorded for it (no agent "
+                    "started one)")
+        where = f"pid {p.get('pid')} on node {p.get('node')}"
+        ago = f"{max(0.0, time.time() - float(p.get('ts', time.time()))):.1f}s ago"
+        if p.get("state") == "exited":
+            how = p.get("signal") or f"code {p.get('exitcode')}"
+            return (f"rank {self.rank}: its process ({where}) exited with {how} {ago} and "
+                    "no replacement was started (is a spare node or spare worker "
+                    "available?)")
+        if not self.agent_alive:
+            return (f"rank {self.rank}: its process ({where}, started {ago}) is on a node "
+                    f"whose agent sent no heartbeat for {AGENT_BEAT_WAIT_S:.0f}s (node lost?)")
+        return (f"rank {self.rank}: its process ({where}, started {ago}) is alive but "
+                "never joined (stuck in the script before the runtime joins?)")
+
+
+def missing_rank(store: dist.Store, rank: int) -> MissingRank:
+    """Read what the store shows about ``rank``; watches its agent's heartbeat briefly."""
+    try:
+        process = protocol.read_json(store, protocol.rank_process_key(rank))
+    except Exception:
+        process = None
+    alive = None
+    if process is not None and process.get("node") is not None:
+        node = int(process["node"])
+        first = protocol.agent_beats(store, node)
+        until = time.monotonic() + AGENT_BEAT_WAIT_S
+        alive = False
+        while time.monotonic() < until:
+            now = protocol.agent_beats(store, node)
+            if first is not None and now is not None and now > first:
+                alive = True
+                break
+            time.sleep(0.1)
+    return MissingRank(rank, process, alive)
 
 
 def _joined(store: dist.Store, key: str, seen: dict[int, JoinRecord], rank: int) -> bool:

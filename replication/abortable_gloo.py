@@ -11,9 +11,10 @@ the other end; after that the group destroys in milliseconds and its threads are
 So a group is created while we watch which sockets it opens (a process-wide lock
 serialises group creation, so the sockets that appear are its own), and ``abort``
 shuts those down. The listening socket is never touched: gloo's accept loop treats an
-error there as fatal and aborts the process. Each socket is checked to still be the
-one recorded (same inode) before it is shut down, and it is never closed here (gloo
-owns the descriptor and closes it when the group is destroyed).
+error there as fatal and aborts the process. Each socket is shut down through a
+duplicate descriptor, after checking that the duplicate names the socket recorded
+(same inode): gloo may close its descriptor at any moment, and the number be reused.
+Gloo's own descriptor is never closed here (it closes it when the group is destroyed).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def _socket_fds() -> dict[int, str]:
 
 
 def _is_connected_tcp(fd: int) -> bool:
-    sock = socket.socket(fileno=fd)
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed meanwhile
+        return False
     try:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
                                                                   socket.AF_INET6):
@@ -105,19 +109,28 @@ class AbortableGloo:
         self.aborted = True
         done = 0
         for fd, link in self.sockets.items():
+            # Work on a duplicate: gloo may close ``fd`` at any moment (its peer went
+            # away), and the number may then be reused. The duplicate pins whatever
+            # ``fd`` named when it was taken; it is ours only if that is still our socket.
             try:
-                if os.readlink(f"{_FD_DIR}/{fd}") != link:
+                dup = os.dup(fd)
+            except OSError:
+                continue  # closed already
+            try:
+                if os.readlink(f"{_FD_DIR}/{dup}") != link:
                     continue  # gloo closed it and the number was reused: not ours
+                with socket.socket(fileno=dup) as sock:  # closing it closes the duplicate
+                    dup = -1
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)  # acts on the socket, not the fd
+                        done += 1
+                    except OSError:
+                        pass  # already closed by the peer: nothing pending on it
             except OSError:
                 continue
-            sock = socket.socket(fileno=fd)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-            except OSError:
-                pass  # already closed by the peer: nothing pending on it
             finally:
-                sock.detach()
+                if dup >= 0:
+                    os.close(dup)
         return done
 
     def release(self) -> None:

@@ -220,6 +220,19 @@ def assert_same_final(reference: JobResult, job: JobResult) -> None:
             )
 
 
+def assert_noticed_fast(job: JobResult, victim: int, within_s: float = 3.0) -> None:
+    """Every survivor of the first failure noticed it within ``within_s`` of the kill:
+    a few heartbeat periods, never a collective timeout."""
+    killed_at = job.events("fault_injected")[0]["ts"]
+    first_gen = min(e["gen"] for e in job.events("failure_detected"))
+    noticed = {e["rank"]: e["ts"] for e in job.events("failure_detected")
+               if e["rank"] != victim and e["gen"] == first_gen}
+    assert sorted(noticed) == sorted(set(range(job.world_size)) - {victim}), job.output()
+    late = {r: round(ts - killed_at, 2) for r, ts in noticed.items() if ts - killed_at > within_s}
+    assert not late, (f"survivors noticed the kill late (s): {late}; the collective timeout "
+                      f"is far longer\n{job.output()}")
+
+
 def assert_failed_cleanly(job: JobResult) -> None:
     """The job stopped by itself (no hang) and with a non-zero status."""
     assert not job.timed_out, f"job hung instead of stopping\n{job.output()}"

@@ -104,4 +104,8 @@ def test_failure_in_the_first_step_after_a_recovery(tmp_path, reference):
     assert len(gens) == 2, gens
     first, second = (recs[0]["target_step"] for recs in gens.values())
     assert second == first, "nothing can commit between a recovery and its first step"
-    assert {e["rank"] for e in gens[max(gens)] if e["newcomer"]} == {3}
+    last = {e["rank"] for e in gens[max(gens)] if e["newcomer"]}
+    # Rank 3 rolls back locally and dies at once; rank 2's replacement may still be
+    # receiving its state from node 0 then, and joins the next generation as a newcomer.
+    first_gen = {e["rank"] for e in gens[min(gens)]}
+    assert last == {3} or (last == {2, 3} and 2 not in first_gen), (last, gens)

@@ -3,19 +3,22 @@
 The strategy drives the worker runtime (:class:`recovery.runtime.Checkpointless`) from
 inside Lightning's own loop; the script changes nothing but the strategy name:
 
-- **Process groups.** The runtime creates the training process group of the current
-  generation (instead of ``init_process_group("env://")``) and rebuilds it after a
-  failure; DDP is re-wrapped on it when ``fit`` is re-entered.
+- **Process groups.** The runtime creates the job's process group (its own backend,
+  :mod:`recovery.elastic_group`, instead of ``init_process_group("env://")``). It lives
+  across generations: after a failure only its inner gloo group is swapped, and DDP is
+  re-wrapped on it when ``fit`` is re-entered.
 - **Step boundary.** The training loader is wrapped (``process_dataloader``) so that the
   moment before each training batch is fetched is observable: the previous optimizer
   step, validation, scheduler steps and loop bookkeeping are all done, and nothing of the
   next step has happened. A snapshot is taken there (a Lightning checkpoint dictionary
   plus RNG streams, see :mod:`.state`), except after validation or at an epoch's first
   batch, where Lightning's resume would not replay the same hooks.
-- **Failure.** ``backward`` stops waiting as soon as a failure is declared (a DDP comm
-  hook, :mod:`.comm`), Lightning's barriers and broadcasts too. The exception reaches
-  the strategy's launcher (:mod:`.launcher`), which tears the attempt down, lets the
-  runtime recover, and re-enters ``fit`` from the restored state.
+- **Failure.** Every collective in flight on that group ends with an error the moment a
+  failure is declared, whoever issued it: DDP's gradient all-reduce in ``backward``,
+  Lightning's per-batch stop-flag broadcast, its barriers and metric syncs. So the
+  strategy keeps DDPStrategy's own collectives and comm hooks unchanged. The exception
+  reaches the strategy's launcher (:mod:`.launcher`), which tears the attempt down, lets
+  the runtime recover, and re-enters ``fit`` from the restored state.
 - **Durable tier.** ``ModelCheckpoint`` and ``trainer.save_checkpoint`` go through
   :class:`~.checkpoint_io.CheckpointlessCheckpointIO` (async, every rank, any fsspec URL);
   ``ckpt_path`` may name such a checkpoint, a ``persistence.path`` root, or
@@ -26,17 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from torch.nn.parallel import DistributedDataParallel
 
-from recovery import process_groups, protocol
+from recovery import protocol
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning.checkpoint_io import (
     LATEST,
@@ -46,7 +46,6 @@ from recovery.integrations.lightning.checkpoint_io import (
     load_durable,
     newest_durable,
 )
-from recovery.integrations.lightning.comm import FailureAwareHook, allreduce_mean, ordered_mean
 from recovery.integrations.lightning.data import ResumableLoader
 from recovery.integrations.lightning.launcher import CheckpointlessLauncher
 from recovery.integrations.lightning.state import LightningState
@@ -80,10 +79,11 @@ class CheckpointlessStrategy(DDPStrategy):
         overrides: ``key=value`` settings on top of ``recipe``.
         settings: ready-made runtime settings instead of a recipe.
         checkpoint_io: defaults to :class:`CheckpointlessCheckpointIO` (the durable tier).
-        deterministic: average gradients in rank order (:func:`.comm.ordered_mean`), so a
-            recovered run ends bit-identical to one without failures at any world size;
-            ``False`` uses DDP's ring all-reduce (less traffic; last-bit differences
-            after a recovery with three or more ranks).
+        deterministic: sum float all-reduces in rank order (``recovery.ordered_allreduce``),
+            so a recovered run ends bit-identical to one without failures at any world
+            size; ``False`` turns that setting off for this job: gloo's ring all-reduce
+            (less traffic; last-bit differences after a recovery with three or more
+            ranks, because DDP lays its buckets out anew).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``find_unused_parameters``, ``ddp_comm_hook``, ``timeout``, ...).
     """
@@ -120,7 +120,6 @@ class CheckpointlessStrategy(DDPStrategy):
         self._snap_step = -1
         self._step_at_fetch: int | None = None
         self._val_ran = False
-        self._hooks: list[FailureAwareHook] = []
         self._loaders: list[ResumableLoader] = []
 
     # -- configuration -----------------------------------------------------------------
@@ -136,6 +135,8 @@ class CheckpointlessStrategy(DDPStrategy):
                 self._settings = RuntimeSettings.from_json(env_json)
             else:
                 self._settings = self._given_settings or RuntimeSettings()
+            if not self.deterministic:
+                self._settings.recovery.ordered_allreduce = False
         return self._settings
 
     def _configure_launcher(self) -> None:
@@ -211,29 +212,9 @@ class CheckpointlessStrategy(DDPStrategy):
             for optimizer in self.optimizers:  # new objects on every (re-)entry of fit
                 self.session.faults.install(None, optimizer)
 
-    def configure_ddp(self) -> None:
-        self.model = self._setup_model(self.model)
-        inner = None
-        if self._ddp_comm_hook is not None:
-            inner = self._ddp_comm_hook
-            if self._ddp_comm_wrapper is not None:
-                inner = self._ddp_comm_wrapper(inner)
-        if inner is None:
-            inner = ordered_mean if self.deterministic else allreduce_mean
-        hook = FailureAwareHook(lambda: self.session.watchdog.failure_pending, inner)
-        self.model.register_comm_hook(self._ddp_comm_state, hook)
-        self._hooks.append(hook)
-
     def teardown(self) -> None:
         io = self.checkpoint_io
         if self.abandoning:
-            hold = self.settings.recovery.collective_timeout_s + 10
-            if isinstance(self.model, DistributedDataParallel):
-                # Its reducer may still reference work on the failed generation's group.
-                process_groups.keep(self.model, hold)
-            for hook in self._hooks:
-                hook.close()
-            self._hooks.clear()
             self._loaders.clear()
             if isinstance(io, CheckpointlessCheckpointIO):
                 io.flush_on_teardown = False  # never wait for storage on the recovery path
@@ -242,51 +223,6 @@ class CheckpointlessStrategy(DDPStrategy):
         finally:
             if isinstance(io, CheckpointlessCheckpointIO):
                 io.flush_on_teardown = True
-
-    # -- failure-aware collectives (Lightning's barriers, broadcasts, metric syncs) -------
-    def _wait(self, work: Any) -> None:
-        if self.session is not None:
-            self.session.wait(work)
-        else:
-            work.wait()
-
-    def barrier(self, name: str | None = None) -> None:
-        if not dist.is_initialized():
-            return
-        self._wait(dist.barrier(async_op=True))
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        mine = dist.get_rank() == src
-        data = pickle.dumps(obj) if mine else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self._wait(dist.broadcast(size, src, async_op=True))
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
-               else torch.empty(int(size.item()), dtype=torch.uint8))
-        if buf.numel():
-            self._wait(dist.broadcast(buf, src, async_op=True))
-        return obj if mine else pickle.loads(buf.numpy().tobytes())
-
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or group is not None:
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        divide = False
-        if isinstance(reduce_op, str):
-            name = "avg" if reduce_op.lower() in ("mean", "avg") else reduce_op.lower()
-            if name == "avg":
-                op, divide = dist.ReduceOp.SUM, True
-            else:
-                op = getattr(dist.ReduceOp, name.upper())
-        else:
-            op = reduce_op if reduce_op is not None else dist.ReduceOp.SUM
-        self._wait(dist.all_reduce(tensor, op=op, async_op=True))
-        if not divide:
-            return tensor
-        world = dist.get_world_size()
-        if not torch.is_floating_point(tensor):
-            return tensor.copy_(tensor / world)
-        return tensor.div_(world)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,

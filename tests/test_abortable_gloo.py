@@ -1,0 +1,113 @@
+"""``AbortableGloo``: a real two-process gloo group over a TCPStore.
+
+- A rank blocked in an all-reduce its peer never joins is released within a second
+  when the peer aborts the group (torch's own ``abort()`` releases nothing).
+- Aborting after the peer was SIGKILLed (gloo may be closing its sockets at that very
+  moment) never raises, and releasing the group frees its threads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.recovery_harness import REPO, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER = textwrap.dedent("""
+    import datetime, json, os, sys, time
+    import torch, torch.distributed as dist
+    from replication.abortable_gloo import AbortableGloo
+
+    rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0,
+                         timeout=datetime.timedelta(seconds=30))
+    base = len(os.listdir("/proc/self/task"))
+    g = AbortableGloo.create(dist.PrefixStore("t", store), rank, 2, timeout_s=60)
+    with_group = len(os.listdir("/proc/self/task"))
+    out = {"sockets": len(g.sockets)}
+    if mode == "blocked":
+        if rank == 1:
+            t0 = time.monotonic()
+            try:
+                g.backend.allreduce([torch.ones(4)]).wait()
+                out["error"] = None
+            except RuntimeError as exc:
+                out["error"] = str(exc)[:200]
+            out["released_after_s"] = time.monotonic() - t0
+            store.set("done", "1")
+        else:
+            time.sleep(1.0)  # rank 1 is blocked by now
+            t0 = time.monotonic()
+            out["shut"] = g.abort()
+            out["abort_s"] = time.monotonic() - t0
+            store.wait(["done"])
+    else:  # "peer_killed": rank 1 dies, rank 0 aborts right after
+        if rank == 1:
+            store.set("ready", "1")
+            time.sleep(60)
+        store.wait(["ready"])
+        store.set("kill_me", "1")
+        store.wait(["killed"])
+        out["shut"] = g.abort()  # the peer's sockets are closing right now
+        g.release()
+        del g
+        import gc; gc.collect()
+        time.sleep(0.5)
+        out.update(tasks_base=base, tasks_with_group=with_group,
+                   tasks_after=len(os.listdir("/proc/self/task")))
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _start(rank: int, port: int, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(port), mode],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_abort_releases_a_peer_blocked_in_an_all_reduce():
+    port = free_port()
+    procs = [_start(0, port, "blocked"), _start(1, port, "blocked")]
+    aborter, blocked = (_result(p) for p in procs)
+    assert aborter["sockets"] >= 1 and aborter["shut"] >= 1, aborter
+    assert blocked["error"] and "closed" in blocked["error"].lower(), blocked
+    # blocked for the 1 s rank 0 slept, then released at once (the timeout is 60 s)
+    assert blocked["released_after_s"] < 3.0, blocked
+
+
+def test_abort_after_the_peer_was_killed_never_raises_and_frees_threads():
+    port = free_port()
+    procs = [_start(0, port, "peer_killed"), _start(1, port, "peer_killed")]
+    store = None
+    deadline = time.monotonic() + 60
+    while store is None and time.monotonic() < deadline:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, 3, False,
+                                  timeout=datetime.timedelta(seconds=30))
+        except Exception:
+            time.sleep(0.2)
+    assert store is not None
+    store.wait(["kill_me"])
+    procs[1].send_signal(signal.SIGKILL)
+    store.set("killed", "1")
+    survivor = _result(procs[0])
+    procs[1].wait(timeout=10)
+    assert survivor["tasks_with_group"] > survivor["tasks_base"], survivor  # gloo's threads
+    assert survivor["tasks_after"] <= survivor["tasks_base"], survivor  # ... are gone
