@@ -120,17 +120,24 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """SHA-256 over every parameter and optimizer-state tensor, in a fixed order."""
+    """SHA-256 over every parameter and optimizer-state tensor (this rank's shards under
+    FSDP2), in a fixed order."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_local(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
     osd = optimizer.state_dict()
     for pid in sorted(osd["state"]):
         for k, v in sorted(osd["state"][pid].items()):
             h.update(f"{pid}/{k}".encode())
             if isinstance(v, torch.Tensor):
+                v = _local(v)
                 h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             else:
                 h.update(repr(v).encode())

@@ -37,6 +37,7 @@ import functools
 import hashlib
 import inspect
 import os
+import queue
 import threading
 import time
 import weakref
@@ -171,6 +172,38 @@ class _Inner:
                 pass
 
 
+class _WorkWaiter:
+    """Futures for inner works that have none (gloo's ``_reduce_scatter_base``): one
+    thread per group waits on each in turn, in issue order, as the backend runs them."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Any, torch.futures.Future]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, work: Any) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((work, fut))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name,
+                                                daemon=True)
+                self._thread.start()
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            work, fut = self._queue.get()
+            try:
+                work.wait()  # an aborted generation's work ends at once (sockets shut)
+            except Exception as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+            del work, fut
+
+
 class ElasticProcessGroup(dist.ProcessGroup):
     """A process group whose backend is swapped for each generation; see the module doc."""
 
@@ -188,6 +221,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self.bind_key = bind_key or name
         self.timeout_s = timeout_s
         self.closed = False
+        self._waiter = _WorkWaiter(f"checkpointless-pg-{bind_key or name}")
         self._lock = threading.Lock()
         self._gen: int | None = None
         self._inner: dict[str, _Inner] = {}
@@ -284,7 +318,11 @@ class ElasticProcessGroup(dist.ProcessGroup):
         except BaseException:
             self._drop(op)
             raise
-        op.inner.get_future().add_done_callback(functools.partial(self._inner_done, op, post))
+        try:
+            fut = op.inner.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter)
+            fut = self._waiter.watch(op.inner)
+        fut.add_done_callback(functools.partial(self._inner_done, op, post))
         return _Work(op)
 
     def _inner_done(self, op: _Op, post: Callable[[], Any] | None,
@@ -405,8 +443,19 @@ class ElasticProcessGroup(dist.ProcessGroup):
             for out, inp in zip(outputs, inputs):
                 out.view(self._size, -1).copy_(inp.reshape(1, -1))
             return outputs
-        return self._run(inputs, lambda b: b.allgather_into_tensor_coalesced(
-            outputs, inputs, opts), local)
+        # gloo has no coalesced form: one all-gather of the inputs side by side.
+        flat = torch.cat([i.reshape(-1) for i in inputs])
+        gathered = flat.new_empty(self._size * flat.numel())
+
+        def split() -> list[torch.Tensor]:
+            rows, at = gathered.view(self._size, -1), 0
+            for out, inp in zip(outputs, inputs):
+                n = inp.numel()
+                out.view(self._size, -1).copy_(rows[:, at:at + n])
+                at += n
+            return outputs
+        return self._run(inputs, lambda b: b._allgather_base(gathered, flat, opts), local,
+                         split)
 
     def reduce_scatter(self, outputs: list[torch.Tensor],
                        inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
@@ -435,8 +484,59 @@ class ElasticProcessGroup(dist.ProcessGroup):
             for out, inp in zip(outputs, inputs):
                 out.view(-1).copy_(inp.reshape(self._size, -1)[self._rank])
             return outputs
-        return self._run(inputs, lambda b: b.reduce_scatter_tensor_coalesced(
-            outputs, inputs, opts), local)
+        # gloo has no coalesced form: one reduce-scatter whose row r holds every
+        # input's chunk r side by side.
+        flat = torch.cat([i.reshape(self._size, -1) for i in inputs], dim=1).reshape(-1)
+        mine = flat.new_empty(flat.numel() // self._size)
+
+        def split() -> list[torch.Tensor]:
+            at = 0
+            for out in outputs:
+                n = out.numel()
+                out.view(-1).copy_(mine[at:at + n])
+                at += n
+            return outputs
+        return self._run(inputs, lambda b: b._reduce_scatter_base(mine, flat, opts), local,
+                         split)
+
+    # torch 2.13's names for the tensor forms (``dist.all_gather_into_tensor`` calls
+    # ``group.all_gather_single``, and so on); a Python ProcessGroup must define them, or
+    # the call falls through to C++ and finds no backend.
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
+                          opts: Any = None) -> Any:
+        return self._allgather_base(output, inp, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
+                              opts: Any = None) -> Any:
+        return self._reduce_scatter_base(output, inp, opts)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor,
+                          output_splits: list[int], input_splits: list[int],
+                          opts: Any = None) -> Any:
+        return self.alltoall_base(output, inp, output_splits, input_splits, opts)
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+
+        def local() -> Any:
+            for outs, inp in zip(outputs, inputs):
+                for out in outs:
+                    out.copy_(inp)
+            return outputs
+        return self._run(inputs, lambda b: b.allgather_coalesced(outputs, inputs, opts), local)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        return self._run(tensors, lambda b: b.recv_anysource(tensors, tag),
+                         self._no_local("recv"))
 
     def alltoall_base(self, output: torch.Tensor, inp: torch.Tensor,
                       output_splits: list[int], input_splits: list[int],

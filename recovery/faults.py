@@ -67,7 +67,12 @@ class FaultInjector:
             model.register_forward_pre_hook(lambda *_: self.at("forward"))
         if model is not None and "backward" in phases:
             params = [p for p in model.parameters() if p.requires_grad]
-            if params:
+            if params and hasattr(params[0], "to_local"):
+                # FSDP2: autograd never sees the sharded parameters (their gradients are
+                # assigned by a reduce-scatter), so no hook on them would fire; fire as the
+                # root's backward starts, the peers then wait in its reduce-scatters.
+                model.register_full_backward_pre_hook(lambda *_: self.at("backward"))
+            elif params:
                 params[0].register_hook(lambda g: (self.at("backward"), g)[1])
         if optimizer is not None and "optimizer" in phases:
             optimizer.register_step_pre_hook(lambda *_: self.at("optimizer"))

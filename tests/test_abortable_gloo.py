@@ -52,6 +52,9 @@ WORKER = textwrap.dedent("""
             out["shut"] = g.abort()
             out["abort_s"] = time.monotonic() - t0
             store.wait(["done"])
+        g.release()  # as the runtime does once the aborted works ended
+        del g
+        import gc; gc.collect()
     else:  # "peer_killed": rank 1 dies, rank 0 aborts right after
         if rank == 1:
             store.set("ready", "1")
