@@ -73,7 +73,11 @@ BENCHES = {
         "note": "Quick mode: 2-3 failures, and one run is one sample: on this 2-core host a "
                 "false node loss (a starved agent) sinks a run now and then. README.md, "
                 "Chaos soak, gives the spread over runs and the last full-mode figures "
-                "(`make bench`, 50 failures, about 12 min).",
+                "(`make bench`, 50 failures, about 12 min). Since session 9 "
+                "`baseline_bit_identical` compares torchrun's chaos run with torchrun's own "
+                "failure-free run; `baseline_reference_identical` (against ours) is false "
+                "with 3+ ranks, because the runtime sums float all-reduces in rank order "
+                "and gloo's ring does not (ADR 0015).",
     },
     "bench_dataloader_cache": {
         "title": "Data loader cache (issue 5)",
