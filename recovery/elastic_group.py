@@ -840,13 +840,13 @@ def _install_new_group_hook() -> None:
     this process's alone, and hang; it would also outlive a failure unaborted.
     """
     original = dist.distributed_c10d.new_group
-    params = inspect.signature(original).parameters
-    if "backend" not in params:  # pragma: no cover - another torch
+    signature = inspect.signature(original)
+    if "backend" not in signature.parameters:  # pragma: no cover - another torch
         return
 
     @functools.wraps(original)
     def new_group(*args: Any, **kwargs: Any) -> Any:
-        bound = inspect.signature(original).bind_partial(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs)
         backend = bound.arguments.get("backend")
         if backend is not None and str(backend).lower() != BACKEND_NAME and \
                 dist.is_initialized() and is_owned(dist.distributed_c10d._get_default_group()):

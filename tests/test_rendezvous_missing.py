@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from recovery import protocol
+from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
 from recovery.rendezvous import join
 from replication import signing
@@ -43,7 +43,7 @@ class _Agent(threading.Thread):
         seq = 0
         while not self.stop.wait(0.2):
             seq += 1
-            protocol.auth.put(self.store, protocol.agent_heartbeat_key(1), str(seq))
+            auth.put(self.store, protocol.agent_heartbeat_key(1), str(seq))
 
 
 def test_a_live_process_on_its_way_is_waited_for(store):
@@ -54,7 +54,7 @@ def test_a_live_process_on_its_way_is_waited_for(store):
 
     def join_late() -> None:
         time.sleep(late)
-        protocol.auth.put(store, protocol.join_key(1, 1),
+        auth.put(store, protocol.join_key(1, 1),
                           protocol.JoinRecord(1, 1, 4242, True).to_json())
 
     threading.Thread(target=join_late, daemon=True).start()
@@ -80,7 +80,7 @@ def test_an_exited_process_is_named_with_its_signal(store):
 
 def test_a_process_whose_agent_is_silent_is_given_up(store):
     protocol.publish_rank_process(store, 1, node=1, pid=4242, state="running")
-    protocol.auth.put(store, protocol.agent_heartbeat_key(1), "7")  # and never again
+    auth.put(store, protocol.agent_heartbeat_key(1), "7")  # and never again
     t0 = time.monotonic()
     with pytest.raises(RecoveryImpossible, match=r"agent sent no heartbeat .*node lost"):
         join(store, 1, _mine(), 2, timeout_s=TIMEOUT_S, current_gen=lambda: 1)
