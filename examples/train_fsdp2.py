@@ -7,8 +7,7 @@ Everything here is plain FSDP2 (``init_process_group``, ``init_device_mesh``,
 marked ``# checkpointless`` are the whole difference (3 lines: the import, the
 registration, the loop hand-over). Under ``checkpointless run`` the mesh is built on the
 runtime's own process group, so the sharded model keeps working after a rank or a node
-is lost (NOT YET: recovery of an FSDP2 run stalls and is not bit-identical, see the
-README): each rank's shards (parameters and Adam state, as DTensors) are snapshotted and
+is lost: each rank's shards (parameters and Adam state, as DTensors) are snapshotted and
 replicated to another node, and a replacement receives exactly its own shards.
 
 ``--mesh 2d`` shards over a 2-D mesh (replicate x shard, HSDP) when the world size is

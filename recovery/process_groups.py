@@ -90,6 +90,57 @@ def reset_ddp_modules() -> int:
     return count
 
 
+def reset_fsdp_modules() -> int:
+    """Bring every root FSDP2 module back to the start of an iteration.
+
+    A failure can interrupt FSDP2 in the middle of a forward or a backward: a survivor
+    then keeps unsharded parameters, a pending all-gather or reduce-scatter state, and
+    per-iteration trackers, while a replacement's modules are fresh. Its next forward
+    would skip the all-gathers the replacement issues, and the two sides would wait on
+    different collectives. torch's own recovery entry point,
+    ``FSDPModule.reset_iter_state()`` on the root module, reshards every parameter group
+    and clears those trackers. Gradients of the interrupted step are dropped: the state
+    restore clears the sharded parameters' ``.grad``, and this the unsharded copies'
+    (which ``reset_iter_state`` keeps). The all-gather results of the failed generation
+    are dropped first: their works were failed, and waiting on them would re-raise.
+    Returns the number of root modules reset.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return 0
+    count = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, FSDPModule):
+            continue
+        state = obj._get_fsdp_state()
+        if not state._is_root:  # None before the first forward, False for inner modules
+            continue
+        state._comm_ctx.all_gather_state = None
+        for other in state._state_ctx.all_states:
+            for group in other._fsdp_param_groups:
+                group._all_gather_result = None
+                for param in group.fsdp_params:
+                    _drop_unsharded_grad(param)
+        obj.reset_iter_state()
+        count += 1
+    return count
+
+
+def _drop_unsharded_grad(param: Any) -> None:
+    """Forget the interrupted backward's gradient on an FSDP2 parameter's unsharded copy.
+
+    Autograd accumulates into the unsharded parameter, and FSDP2 moves that gradient
+    out only in the group's post-backward: a backward interrupted in between leaves it
+    there (``reset_iter_state`` does not clear it), and the replayed backward would add
+    onto it.
+    """
+    param.unsharded_accumulated_grad = None
+    unsharded = getattr(param, "_unsharded_param", None)
+    if unsharded is not None:
+        unsharded.grad = None
+
+
 def _rebuild_reducer(ddp: Any) -> None:
     parameters, expect_sparse = ddp._build_params_for_reducer()
     names = ddp._build_debug_param_to_name_mapping(parameters)

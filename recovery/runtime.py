@@ -453,6 +453,7 @@ class Checkpointless:
                     "error": str(exc)[:300]})
                 self._teardown_generation()
         ddp_reset = process_groups.reset_ddp_modules()
+        fsdp_reset = process_groups.reset_fsdp_modules()
         t_done = time.time()
         first = protocol.read_json(self.store, protocol.cause_key(gen)) or {}
         timings = {
@@ -465,7 +466,7 @@ class Checkpointless:
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
                 "newcomers": plan.newcomers, "providers": plan.providers,
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
-                "ddp_modules_reset": ddp_reset,
+                "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
                 "local_collectives": elastic_group.controller().local_collectives,
                 "recovered_at": t_done}
         self.log.emit("recovery", rank=self.rank, **info)

@@ -2,10 +2,10 @@
 ``init_device_mesh``, ``fully_shard`` per block and on the root), trained end to end
 under ``checkpointless run`` on 2 nodes x 2 workers (gloo on CPU).
 
-Failure-free runs on a 1-D and a 2-D (replicate x shard) mesh pass. Recovery does not
-yet: a kill inside FSDP2's reduce-scatter is detected at once, but the survivors' FSDP2
-state from the interrupted backward is not reset, so the run stalls for the collective
-timeout and ends not bit-identical (a strict xfail that documents it).
+Failure-free runs on a 1-D and a 2-D (replicate x shard) mesh, then a worker killed in
+each phase of a step (all-gather in forward, reduce-scatter in backward, optimizer) on
+either node, and a whole node lost: every recovered run ends bit-identical to the
+failure-free one, and the survivors notice the kill within a few heartbeats.
 """
 
 from __future__ import annotations
@@ -54,16 +54,40 @@ def test_fsdp2_trains_unchanged_under_the_launcher(references):
     assert set(references) == {"1d", "2d"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not done yet: a survivor's FSDP2 modules keep the state of the interrupted backward "
-    "(unsharded parameters, pending reduce-scatter state), so the first collective after "
-    "the recovery is not the replacement's, waits the collective timeout, and the run "
-    "ends not bit-identical. Needs an FSDP2 reset like reset_ddp_modules (README)."))
-def test_fsdp2_survives_a_kill_in_its_reduce_scatter(tmp_path, references):
-    job = run_job(tmp_path / "run", nnodes=2, nproc=2, script=SCRIPT, script_args=_args("1d"),
-                  overrides=(*SETTINGS[:2], "recovery.collective_timeout_s=10",
-                             "recovery.fault=1:6:backward:sigkill"), timeout_s=240)
+@pytest.mark.parametrize("mesh,fault", [
+    ("1d", "1:6:backward:sigkill"),    # inside FSDP2's reduce-scatter, the other node
+    ("1d", "0:5:forward:sigkill"),     # inside an all-gather, the store host's rank
+    ("1d", "2:7:optimizer:sigkill"),   # after the reduce-scatters, node 1
+    ("2d", "3:6:backward:sigkill"),    # HSDP: reduce-scatter then the replicate all-reduce
+])
+def test_fsdp2_survives_a_kill(tmp_path, references, mesh, fault):
+    """A worker SIGKILLed mid-step: the survivors' FSDP2 modules are reset to the start
+    of an iteration (``reset_iter_state``), the replacement receives its own shards from
+    the other node, and the run ends bit-identical to the failure-free one."""
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, script=SCRIPT, script_args=_args(mesh),
+                  overrides=(*SETTINGS[:2], "recovery.collective_timeout_s=30",
+                             f"recovery.fault={fault}"), timeout_s=240)
     assert_succeeded(job)
-    assert_noticed_fast(job, victim=1)
-    assert not [e for e in job.events("recovery") if e["gen"] > 1], "a second recovery"
+    victim = int(fault.split(":")[0])
+    assert_noticed_fast(job, victim=victim)
+    recs = job.events("recovery")
+    assert recs and not [e for e in recs if e["gen"] > 1], "a second recovery"
+    survivors = [e for e in recs if not e["newcomer"]]
+    assert survivors and all(e["fsdp_modules_reset"] == 1 for e in survivors), survivors
+    assert_same_final(references[mesh], job)
+
+
+@pytest.mark.slow
+def test_fsdp2_survives_the_loss_of_a_node(tmp_path, references):
+    """Node 1 (its agent and ranks 2, 3) dies mid-backward; a spare node takes over and
+    both lost ranks receive their shards from node 0."""
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, spare_nodes=1, script=SCRIPT,
+                  script_args=_args("1d"),
+                  overrides=(*SETTINGS[:2], "recovery.collective_timeout_s=30",
+                             "recovery.fault=2:6:backward:node"), timeout_s=240)
+    assert job.returncodes[1] == -9, f"node 1's agent should be SIGKILLed: {job.returncodes}"
+    assert_succeeded(job, except_nodes=(1,))
+    recs = job.events("recovery")
+    newest = [e for e in recs if e["gen"] == max(r["gen"] for r in recs)]
+    assert {e["rank"] for e in newest if e["newcomer"]} == {2, 3}, recs
     assert_same_final(references["1d"], job)
