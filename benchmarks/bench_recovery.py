@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from benchmarks._harness import (
@@ -29,6 +30,7 @@ from benchmarks._harness import (
     emit,
     free_port,
     job_env,
+    median,
     progress,
     step_done_after,
     wait_all,
@@ -90,6 +92,85 @@ def recovery_figures(out: Path, run_dir: Path, kill_step: int) -> dict:
     }
 
 
+def step_times(out: Path, rank: int) -> list[float]:
+    """When rank ``rank`` completed each of its steps (replayed ones included), in order."""
+    return sorted(e["ts"] for e in read_events(out / "progress.jsonl")
+                  if e["rank"] == rank and "event" not in e)
+
+
+def step_intervals(out: Path, rank: int, t_kill: float, n: int) -> tuple[list[float], list[float]]:
+    """Rank ``rank``'s step times: the ``n`` steps completed before ``t_kill``, and the
+    ``n`` after the first step completed once the recovery ended (the interval that
+    spans the recovery itself is in neither)."""
+    ts = step_times(out, rank)
+    before = [b - a for a, b in pairwise(ts) if b < t_kill]
+    after = [b - a for a, b in pairwise([t for t in ts if t > t_kill][1:])]
+    if len(before) < n or len(after) < n:
+        raise SystemExit(f"too few steps around the kill: {len(before)} before, "
+                         f"{len(after)} after, {n} wanted ({out})")
+    return before[-n:], after[:n]
+
+
+def measure_wrap(tmp: Path, wrap: str, worker_args: list[str], kill_step: int,
+                 cold: bool = False) -> dict:
+    """Reference, warm-spare kill (and a cold one), and torchrun + DCP, for one way of
+    averaging gradients (``manual``, ``ddp`` or ``fsdp2``)."""
+    args = [*worker_args, "--wrap", wrap]
+    fault = f"1:{kill_step}:backward:sigkill"
+    progress(f"[{wrap}] reference run")
+    ref = tmp / f"{wrap}_reference"
+    run_checkpointless(ref, args, spares=0, fault="")
+    progress(f"[{wrap}] SIGKILL rank 1 in step {kill_step}'s backward, warm spare")
+    warm = tmp / f"{wrap}_warm"
+    w = recovery_figures(warm, run_checkpointless(warm, args, spares=1, fault=fault), kill_step)
+    runs = [warm]
+    if cold:
+        progress(f"[{wrap}] SIGKILL rank 1, no spare (fresh process)")
+        cold_dir = tmp / f"{wrap}_cold"
+        c = recovery_figures(cold_dir, run_checkpointless(cold_dir, args, spares=0, fault=fault),
+                             kill_step)
+        runs.append(cold_dir)
+    progress(f"[{wrap}] torchrun, whole job SIGKILLed at step {kill_step}, restarted from DCP")
+    base = tmp / f"{wrap}_torchrun"
+    run_torchrun(base, args, kill_step)
+    t_kill = next(e["ts"] for e in read_events(base / "progress.jsonl")
+                  if e.get("event") == "kill")
+    full_restart_s = step_done_after(base, t_kill, kill_step) - t_kill
+    ref_d = digests(ref)
+    ref_steps = [b - a for a, b in pairwise(step_times(ref, 0))]
+    fig = {"recovery_s": w["seconds"], "full_restart_s": full_restart_s,
+           "recovery_over_restart": w["seconds"] / full_restart_s,
+           "steps_lost": w["steps_lost"],
+           "bit_identical": all(digests(r) == ref_d for r in runs),
+           "baseline_bit_identical": digests(base) == ref_d,
+           "breakdown_warm_newcomer": w["breakdown"],
+           "breakdown_warm_survivor": w["survivor_breakdown"],
+           "reference_step_s": median(ref_steps[1:])}
+    if cold:
+        fig.update(recovery_cold_s=c["seconds"],
+                   recovery_cold_over_restart=c["seconds"] / full_restart_s,
+                   steps_lost=max(w["steps_lost"], c["steps_lost"]),
+                   breakdown_cold_newcomer=c["breakdown"])
+    return fig
+
+
+def measure_steady_after_recovery(tmp: Path, worker_args: list[str], kill_step: int,
+                                  n: int) -> dict:
+    """A DDP job with a worker SIGKILLed mid-run: the survivor's median step time in the
+    ``n`` steps after the recovery over the ``n`` before (abandoned gloo threads spinning
+    in a survivor made it about 4 before ADR 0015)."""
+    progress(f"[ddp] {n} steps, SIGKILL rank 1 at step {kill_step}, {n} more steps")
+    out = tmp / "steady"
+    run_dir = run_checkpointless(out, [*worker_args, "--wrap", "ddp"], spares=1,
+                                 fault=f"1:{kill_step}:backward:sigkill")
+    t_kill = next(e["ts"] for e in read_events(run_dir / "events.jsonl")
+                  if e["event"] == "fault_injected")
+    before, after = step_intervals(out, 0, t_kill, n)
+    return {"step_time_before_s": median(before), "step_time_after_s": median(after),
+            "step_time_after_recovery_over_before": median(after) / median(before),
+            "steady_steps_each_side": n}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -101,44 +182,31 @@ def main() -> None:
     worker_args = ["--steps", str(steps), "--width", str(width), "--layers", str(layers),
                    "--ckpt-every", str(every)]
     state_bytes = 3 * 4 * layers * (width * width + width)
+    n_steady = 50
+    steady_args = ["--steps", str(2 * n_steady + 12), "--width", str(width),
+                   "--layers", "4", "--ckpt-every", "1000"]
     tmp = Path(tempfile.mkdtemp(prefix="bench_recovery_"))
     t0 = time.perf_counter()
     try:
-        progress(f"state {state_bytes / 2**20:.0f} MiB per rank; reference run")
-        ref = tmp / "reference"
-        run_checkpointless(ref, worker_args, spares=0, fault="")
-        fault = f"1:{kill_step}:backward:sigkill"
-        progress("SIGKILL rank 1, warm spare")
-        warm = tmp / "warm"
-        warm_run = run_checkpointless(warm, worker_args, spares=1, fault=fault)
-        progress("SIGKILL rank 1, no spare (fresh process)")
-        cold = tmp / "cold"
-        cold_run = run_checkpointless(cold, worker_args, spares=0, fault=fault)
-        progress(f"torchrun full restart from a DCP checkpoint every {every} steps")
-        base = tmp / "torchrun"
-        run_torchrun(base, worker_args, kill_step)
-        t_kill = next(e["ts"] for e in read_events(base / "progress.jsonl")
-                      if e.get("event") == "kill")
-        full_restart_s = step_done_after(base, t_kill, kill_step) - t_kill
-        w = recovery_figures(warm, warm_run, kill_step)
-        c = recovery_figures(cold, cold_run, kill_step)
-        ref_d = digests(ref)
+        progress(f"state {state_bytes / 2**20:.0f} MiB per rank")
+        manual = measure_wrap(tmp, "manual", worker_args, kill_step, cold=True)
+        ddp = measure_wrap(tmp, "ddp", worker_args, kill_step)
+        fsdp2 = measure_wrap(tmp, "fsdp2", worker_args, kill_step)
+        steady = measure_steady_after_recovery(tmp, steady_args, n_steady + 6, n_steady)
         result = {
             "quick": q,
             "state_bytes": state_bytes,
             "kill_step": kill_step,
             "dcp_every_n_steps": every,
-            "recovery_s": w["seconds"],
-            "recovery_cold_s": c["seconds"],
-            "full_restart_s": full_restart_s,
-            "recovery_over_restart": w["seconds"] / full_restart_s,
-            "recovery_cold_over_restart": c["seconds"] / full_restart_s,
-            "steps_lost": max(w["steps_lost"], c["steps_lost"]),
-            "bit_identical": digests(warm) == ref_d and digests(cold) == ref_d,
-            "baseline_bit_identical": digests(base) == ref_d,
-            "breakdown_warm_newcomer": w["breakdown"],
-            "breakdown_warm_survivor": w["survivor_breakdown"],
-            "breakdown_cold_newcomer": c["breakdown"],
+            **{k: v for k, v in manual.items() if k != "reference_step_s"},
+            "recovery_over_restart_ddp": ddp["recovery_over_restart"],
+            "recovery_over_restart_fsdp2": fsdp2["recovery_over_restart"],
+            "ddp": ddp,
+            "fsdp2": fsdp2,
+            "bit_identical": all(f["bit_identical"] for f in (manual, ddp, fsdp2)),
+            "ddp_step_over_manual_allreduce_step":
+                ddp["reference_step_s"] / manual["reference_step_s"],
+            **steady,
             "wall_s": round(time.perf_counter() - t0, 1),
         }
     finally:

@@ -4,6 +4,11 @@
 - ``--mode dcp``: under plain ``torchrun``; a synchronous DCP checkpoint every N steps
   and, on start, a resume from the newest one (the restart baseline).
 
+``--wrap`` says how gradients are averaged, the same way in both modes: ``manual`` (one
+flat all-reduce after the backward: ``cl.all_reduce_gradients`` under the runtime),
+``ddp`` (the user's ``DistributedDataParallel``) or ``fsdp2`` (``fully_shard`` on every
+linear layer and on the root).
+
 Both modes append ``{"rank", "step", "ts"}`` lines to ``<out>/progress.jsonl`` and
 write ``final_rank<r>.json`` (a digest of model and optimizer state) at the end, so
 the benchmark can time recoveries and check bit-identity across modes.
@@ -44,16 +49,38 @@ def batch_for(step: int, rank: int, batch: int, width: int) -> torch.Tensor:
     return torch.randn(batch, width, generator=g)
 
 
+def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    """The user's data parallelism (the default process group must exist)."""
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if how == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (FSDP2), or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     import hashlib
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(_local(p.detach()).numpy().tobytes())
     for st in opt.state_dict()["state"].values():
         for k in sorted(st):
             v = st[k]
-            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(_local(v).numpy().tobytes() if isinstance(v, torch.Tensor)
+                     else repr(v).encode())
     return h.hexdigest()
 
 
@@ -81,13 +108,18 @@ def run_checkpointless(args, out: Path) -> None:
     rank = int(os.environ["RANK"])
     prog = Progress(out, rank)
     prog.emit(event="script_start", cpu=time.process_time())
-    model, opt = build(args.width, args.layers, restoring=is_replacement())
+    if args.wrap != "manual":
+        dist.init_process_group("gloo")  # the runtime's own group under checkpointless run
+    model, _ = build(args.width, args.layers, restoring=is_replacement())
+    model = wrap(model, args.wrap)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     prog.emit(event="model_built", cpu=time.process_time(), restoring=is_replacement())
     cl = Checkpointless(model=model, optimizer=opt)
+    reduce = (lambda: cl.all_reduce_gradients(model)) if args.wrap == "manual" else (
+        lambda: None)
 
     def step_fn(step: int) -> None:
-        train_step(model, opt, batch_for(step, rank, args.batch, args.width),
-                   lambda: cl.all_reduce_gradients(model))
+        train_step(model, opt, batch_for(step, rank, args.batch, args.width), reduce)
         prog.emit(step=step)
 
     cl.run(step_fn, args.steps)
@@ -106,7 +138,9 @@ def run_dcp(args, out: Path) -> None:
     start = 1
     done = sorted((int(p.name.split("_")[1]), p) for p in ckpt_root.glob("step_*")
                   if (p / ".metadata").exists()) if ckpt_root.exists() else []
-    model, opt = build(args.width, args.layers, restoring=bool(done))
+    model, _ = build(args.width, args.layers, restoring=bool(done))
+    model = wrap(model, args.wrap)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     if done:
         step0, path = done[-1]
         # Adam's state exists only after a step: take one on a dummy batch, then overwrite.
@@ -120,6 +154,8 @@ def run_dcp(args, out: Path) -> None:
         prog.emit(event="resumed_from", step=step0)
 
     def reduce() -> None:
+        if args.wrap != "manual":
+            return
         grads = [p.grad for p in model.parameters()]
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat)
@@ -152,6 +188,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--wrap", choices=["manual", "ddp", "fsdp2"], default="manual")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

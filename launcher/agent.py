@@ -10,8 +10,12 @@ process (or node) was last seen alive, not to whatever generation is current whe
 agent gets round to acting: the surviving workers may already have declared the same
 failure, and declaring from the newer generation would count one failure twice. So
 each poll reads the generation *before* looking at the workers and each worker keeps
-the generation of its last sign of life (see :meth:`Worker.observe`); declaring from it
-dedupes with the workers' own declaration (``protocol.declare_failure``).
+the generation of its last sign of life (see :meth:`Worker.observe`). That view can be
+stale by a whole recovery, so a failure is declared from the newest generation the
+failed process is known to belong to: the newer of that and the newest rendezvous its
+join record is in (``protocol.generation_of_process``). That dedupes with the workers'
+own declaration (``protocol.declare_failure``) and never folds a failure into a
+generation the process already took part in.
 
 Surviving workers are never restarted or signalled; only the failed rank gets a new
 process (a warm spare when one is idle), with ``CHECKPOINTLESS_INTERNAL_REPLACEMENT=1``.
@@ -329,7 +333,8 @@ class Agent:
             protocol.set_fatal(self.store, f"{what} after {finished} of {self.args.world_size} "
                                "ranks had finished; the finished ranks cannot join a recovery")
             return
-        if not self._declare(w.gen_seen, cause):
+        belongs = protocol.generation_of_process(self.store, w.rank, w.pid, w.gen_seen)
+        if not self._declare(belongs, {**cause, "pid": w.pid, "gen_of_process": belongs}):
             return
         restart = max(w.restart_count + 1, protocol.recoveries(self.store))
         self._start_rank(w.group_rank, w.local_rank, replacement=True, restart_count=restart,
@@ -389,7 +394,8 @@ class Agent:
             self._emit("node_lost", lost_node=lost, groups=groups, ranks=ranks,
                        silent_s=round(silent, 3))
             self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; ranks {ranks})")
-            observed = self.watch.gen_alive(lost, gen)
+            observed = protocol.generation_of_node(self.store, ranks, lost,
+                                                   self.watch.gen_alive(lost, gen))
             for g in groups:
                 self.lost_groups[g] = _LostGroup(lost, time.monotonic(), observed)
                 if self.group is not None:  # active agents declare too; it dedupes

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -171,6 +172,41 @@ def declare_failure(
         if time.monotonic() > deadline:
             raise TimeoutError(f"generation did not advance past {observed_gen}")
         time.sleep(0.005)
+
+
+def generation_of_process(store: dist.Store, rank: int, pid: int, seen_gen: int,
+                          newest: int | None = None) -> int:
+    """The newest generation the process ``pid`` of ``rank`` is known to belong to.
+
+    ``seen_gen`` is what its agent last saw while the process showed life, which can be
+    stale: a heartbeat file is touched every heartbeat interval, and a recovery takes
+    a tenth of that. A process whose sealed join record is in a newer generation's
+    rendezvous belongs to that one. Declaring its failure from here
+    (:func:`declare_failure`) therefore always leads past every generation it took
+    part in, however stale the declarer's view; declaring from ``seen_gen`` folded a
+    failure right after a recovery into the generation that had just ended, and
+    nobody recovered from it (issue 21).
+    """
+    return _newest_joined(store, [rank], lambda rec: rec.pid == pid, seen_gen, newest)
+
+
+def generation_of_node(store: dist.Store, ranks: list[int], node: int, seen_gen: int,
+                       newest: int | None = None) -> int:
+    """:func:`generation_of_process` for a lost node: the newest generation any of its
+    ``ranks`` joined from that node (a node's heartbeat is as stale as a file's)."""
+    return _newest_joined(store, ranks, lambda rec: rec.node == node, seen_gen, newest)
+
+
+def _newest_joined(store: dist.Store, ranks: list[int], ours: Callable[[JoinRecord], bool],
+                   seen_gen: int,
+                   newest: int | None) -> int:
+    newest = current_generation(store) if newest is None else newest
+    for gen in range(newest, seen_gen, -1):
+        for rank in ranks:
+            payload = auth.read(store, join_key(gen, rank))
+            if payload is not None and ours(JoinRecord.from_json(payload)):
+                return gen
+    return seen_gen
 
 
 def recoveries(store: dist.Store) -> int:

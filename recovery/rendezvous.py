@@ -12,6 +12,7 @@ exactly whose and why.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def join(
     if (why := fenced()) is not None:
         raise Fenced(why)
     own = join_key(gen, record.rank)
-    sealed = auth.put(store, own, record.to_json())
+    sealed = publish_join(store, gen, record)
     keys = [join_key(gen, r) for r in range(world_size)]
     seen: dict[int, JoinRecord] = {record.rank: record}
     deadline = time.monotonic() + timeout_s
@@ -99,9 +100,17 @@ def join(
             if not missing:
                 return dict(sorted(seen.items()))
             seen_of = {r: missing_rank(store, r) for r in missing}
-            if extensions < MAX_EXTENSIONS and any(m.on_its_way for m in seen_of.values()):
-                extensions += 1  # a live process is on its way: never give up on it
+            if any(m.on_its_way for m in seen_of.values()):
+                # A live process is on its way (a replacement still starting, a survivor
+                # still leaving a collective): never give up on it. Its agent kills it
+                # if it hangs once armed, which ends this wait; until then, say why we
+                # wait, once per timeout, so a long wait is never a silent one.
+                extensions += 1
                 deadline = time.monotonic() + timeout_s
+                print(f"checkpointless: generation {gen}: still waiting for ranks {missing} "
+                      f"after {timeout_s * extensions:.0f}s: "
+                      + "; ".join(m.describe() for m in seen_of.values()),
+                      file=sys.stderr, flush=True)
                 continue
             waited = timeout_s * (1 + extensions)
             raise RecoveryImpossible(
@@ -110,10 +119,20 @@ def join(
         time.sleep(0.005 if polls < FAST_POLLS else 0.05)
 
 
-MAX_EXTENSIONS = 3
-"""How many more ``timeout_s`` a rendezvous waits for a rank whose process is alive.
-Bounded: a live process that never joins is stuck, and its agent's heartbeat check
-kills it long before this runs out."""
+def publish_join(store: dist.Store, gen: int, record: JoinRecord) -> bytes:
+    """Seal and publish ``record`` as its rank's join record for ``gen``; returns the
+    sealed bytes (a process puts them back if someone clobbers them)."""
+    return auth.put(store, join_key(gen, record.rank), record.to_json())
+
+
+def joined_records(store: dist.Store, gen: int, world_size: int) -> dict[int, JoinRecord]:
+    """The validly sealed join records of ``gen`` so far, by rank. ``gen`` is complete
+    when there are ``world_size`` of them (what :func:`join` waits for)."""
+    out: dict[int, JoinRecord] = {}
+    for rank in range(world_size):
+        _joined(store, join_key(gen, rank), out, rank)
+    return out
+
 
 AGENT_BEAT_WAIT_S = 3.0
 """How long a rendezvous watches an agent's heartbeat counter to tell it is alive."""

@@ -124,6 +124,7 @@ class Checkpointless:
         self._durable_bytes = 0
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
+        self._transfer_parts: dict[str, float] = {}
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
         self.watchdog.start(self.gen)
         # Registered first so it runs last: exit at once if abandoned gloo groups remain.
@@ -265,8 +266,8 @@ class Checkpointless:
             self._mark_loaders_committed()
         if self._resumed_from is not None:
             info, self._resumed_from = self._resumed_from, None
-            self.log.emit("resumed", step=step, resume_s=time.time() - info["recovered_at"],
-                          **info)
+            self.log.emit("resumed", rank=self.rank, step=step,
+                          resume_s=time.time() - info["recovered_at"], **info)
         # Waits of optimizer steps for an overlapped snapshot copy, since the last step.
         fenced = self.replicator.engine.fence_wait_s
         fence_s, self._fence_mark = max(0.0, fenced - self._fence_mark), fenced
@@ -452,8 +453,9 @@ class Checkpointless:
                     "kind": "failure_during_recovery", "rank": self.rank, "ts": time.time(),
                     "error": str(exc)[:300]})
                 self._teardown_generation()
-        ddp_reset = process_groups.reset_ddp_modules()
-        fsdp_reset = process_groups.reset_fsdp_modules()
+        t_reset = time.perf_counter()
+        ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(fresh_process=newcomer)
+        self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)
         t_done = time.time()
         first = protocol.read_json(self.store, protocol.cause_key(gen)) or {}
         timings = {
@@ -466,6 +468,7 @@ class Checkpointless:
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
                 "newcomers": plan.newcomers, "providers": plan.providers,
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
+                "transfer_parts": self._transfer_parts,
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
                 "local_collectives": elastic_group.controller().local_collectives,
                 "recovered_at": t_done}
@@ -551,25 +554,47 @@ class Checkpointless:
         return choice.step
 
     def _transfer(self, plan: RecoveryPlan) -> int:
+        """Send the replicas this rank provides, receive its own state if it is a
+        newcomer (else restore its own snapshot), and meet the others. The time of each
+        part goes to ``self._transfer_parts`` (the recovery event's ``transfer_parts``)."""
         rep = self.replicator
         assert rep is not None
         chunk = self.settings.replication.chunk_bytes
         moved = 0
+        parts: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            parts[name] = parts.get(name, 0.0) + now - t
+            t = now
         for dst, provider in sorted(plan.providers.items()):
             if provider == self.rank:
                 meta, buf = rep.replica_buffer(dst, plan.target_step)
                 moved += send_state(rep.channel, dst, meta, buf, chunk)
+                lap("send_s")
         if self.rank in plan.providers:
-            meta, buf = receive_state(rep.channel, plan.providers[self.rank], chunk)
-            restore_from_buffer(self.state, buf, meta)
+            # Received straight into a snapshot slot: from now on this rank holds its
+            # own snapshot of the target step, without capturing its state again.
+            slots: list[Any] = []
+
+            def into_slot(meta: Any) -> torch.Tensor:
+                slots.append(rep.engine.incoming_slot(meta.layout))
+                return slots[0].buffer
+            meta, buf = receive_state(rep.channel, plan.providers[self.rank], chunk,
+                                      into=into_slot)
+            lap("receive_s")
+            rep.engine.adopt(slots[0], meta)  # checks every segment's checksum
             moved += buf.numel()
-            slot = rep.engine.capture(plan.target_step)  # hold it locally from now on
-            rep.engine.seal(slot)
-        else:
-            rep.engine.restore(plan.target_step)
+            lap("verify_s")
+        rep.engine.restore(plan.target_step, verify=self.rank not in plan.providers)
+        lap("restore_s")
         rep.engine.protect(plan.target_step)
         rep.replicas.protect(plan.target_step)
         rep.channel.barrier()
+        lap("barrier_s")
+        self._transfer_parts = {k: round(v, 4) for k, v in parts.items()}
         return moved
 
     def _fatal(self, reason: str) -> None:

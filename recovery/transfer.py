@@ -8,6 +8,8 @@ before a byte of it reaches the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from replication.snapshot import SnapshotMeta, verify_segments
@@ -33,9 +35,12 @@ def send_state(
 
 
 def receive_state(
-    channel: SideChannel, src: int, chunk_bytes: int
+    channel: SideChannel, src: int, chunk_bytes: int,
+    into: Callable[[SnapshotMeta], torch.Tensor] | None = None,
 ) -> tuple[SnapshotMeta, torch.Tensor]:
-    """Receive a snapshot from ``src`` and verify every segment's checksum."""
+    """Receive a snapshot from ``src``. ``into(meta)``, if given, returns the buffer to
+    receive into (a snapshot slot) and the caller verifies it; otherwise a new buffer
+    is allocated and every segment's checksum is verified here."""
     header = torch.empty(2, dtype=torch.int64)
     channel.wait(channel.post_recv(header, src, _HEADER_TAG, 1 << 30), "state header")
     meta_len, nbytes = (int(x) for x in header.tolist())
@@ -45,7 +50,8 @@ def receive_state(
     if meta.layout.nbytes != nbytes:
         raise ValueError(f"state from rank {src}: layout says {meta.layout.nbytes} bytes, "
                          f"header says {nbytes}")
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = torch.empty(nbytes, dtype=torch.uint8) if into is None else into(meta)[:nbytes]
     channel.wait(channel.post_recv(buffer, src, _DATA_TAG, chunk_bytes), "state data")
-    verify_segments(buffer, meta)
+    if into is None:
+        verify_segments(buffer, meta)
     return meta, buffer

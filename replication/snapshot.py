@@ -552,8 +552,10 @@ def verify_segments(
             )
 
 
-def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta) -> None:
-    """Verify ``buffer`` against ``meta`` and load it into the live objects.
+def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta,
+                        *, verify: bool = True) -> None:
+    """Verify ``buffer`` against ``meta`` (unless the caller just did) and load it into
+    the live objects.
 
     Everything is decoded before anything is loaded, so a malformed snapshot raises
     :class:`SnapshotError` (or ``ChecksumMismatch``) and leaves the live state untouched.
@@ -561,7 +563,8 @@ def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: Snapsh
     if buffer.numel() < meta.layout.nbytes:
         raise SnapshotError(f"snapshot of step {meta.step} needs {meta.layout.nbytes} "
                             f"bytes, buffer holds {buffer.numel()}")
-    verify_segments(buffer, meta)
+    if verify:
+        verify_segments(buffer, meta)
     states = {}
     for seg in meta.layout.segments:
         seg_bytes = buffer[seg.offset : seg.offset + seg.nbytes]
@@ -691,7 +694,7 @@ class SnapshotEngine:
         flat = flatten(self.state.capture())
         slot = self._free_slot()
         if slot.layout != flat.layout:
-            self._allocate(slot, flat)
+            self._allocate(slot, flat.layout)
         with self._lock:  # see seal(): a round abandoned unsealed must not finish this slot
             slot.step, slot.digests = -1, None  # invalid until fully written
             slot.pending = None
@@ -809,18 +812,18 @@ class SnapshotEngine:
             if wait is None or slot.hold is wait:
                 slot.hold = None
 
-    def _allocate(self, slot: SnapshotSlot, flat: FlatState) -> None:
+    def _allocate(self, slot: SnapshotSlot, layout: SnapshotLayout) -> None:
         if self._on_allocate is not None:
-            self._on_allocate(flat.layout)
+            self._on_allocate(layout)
         slot.buffer, slot.views = None, []  # drop the old buffer before allocating the new one
-        buf = allocate_shared(flat.nbytes, pin=self.pin_memory) if self.shared_memory else None
-        if buf is None and self.shared_memory and flat.nbytes > 0:
+        buf = allocate_shared(layout.nbytes, pin=self.pin_memory) if self.shared_memory else None
+        if buf is None and self.shared_memory and layout.nbytes > 0:
             log.warning("cannot allocate a %d MB snapshot buffer in shared memory: using "
                         "private memory, so the durable writer cannot read snapshots in place",
-                        flat.nbytes >> 20)
-        slot.buffer = buf if buf is not None else allocate_host(flat.nbytes, pin=self.pin_memory)
-        slot.layout = flat.layout
-        slot.views = tensor_views(slot.buffer, flat.layout)
+                        layout.nbytes >> 20)
+        slot.buffer = buf if buf is not None else allocate_host(layout.nbytes, pin=self.pin_memory)
+        slot.layout = layout
+        slot.views = tensor_views(slot.buffer, layout)
 
     def _copy(self, slot: SnapshotSlot, flat: FlatState) -> None:
         if all(t.device.type == "cpu" for t in flat.tensors):
@@ -883,6 +886,30 @@ class SnapshotEngine:
             slot.digests = compute_digests(slot.buffer, slot.layout, slot.skeletons)
         return slot.meta()
 
+    # -- a snapshot received from elsewhere ---------------------------------------------
+    def incoming_slot(self, layout: SnapshotLayout) -> SnapshotSlot:
+        """A free slot, sized for ``layout`` and marked invalid, for a snapshot that
+        arrives over the network (a replacement's own state, from its replica): it is
+        received straight into the slot, so the replacement holds its snapshot without
+        capturing its restored state again (one pass over the bytes instead of three).
+        Finish with :meth:`adopt`."""
+        self._fence()
+        slot = self._free_slot()
+        if slot.layout != layout or slot.buffer is None:
+            self._allocate(slot, layout)
+        with self._lock:
+            slot.step, slot.digests, slot.pending, slot.skeletons = -1, None, None, {}
+        return slot
+
+    def adopt(self, slot: SnapshotSlot, meta: SnapshotMeta) -> None:
+        """Seal ``slot`` (from :meth:`incoming_slot`, its bytes written) as ``meta``'s
+        snapshot, after checking every segment against ``meta``'s checksums."""
+        assert slot.buffer is not None and slot.layout == meta.layout
+        verify_segments(slot.buffer, meta)
+        with self._lock:
+            slot.skeletons, slot.digests = dict(meta.skeletons), dict(meta.digests)
+            slot.step = meta.step
+
     # -- commit bookkeeping ------------------------------------------------------------
     def protect(self, step: int) -> None:
         """Record that ``step`` is committed: its slot must survive the next capture."""
@@ -904,11 +931,12 @@ class SnapshotEngine:
         return sorted(s.step for s in self.slots if not s.empty and s.digests is not None)
 
     # -- restore -------------------------------------------------------------------
-    def restore(self, step: int) -> None:
-        """Roll the live objects back to the local snapshot of ``step``, verified."""
+    def restore(self, step: int, *, verify: bool = True) -> None:
+        """Roll the live objects back to the local snapshot of ``step``, verified
+        (``verify=False`` only right after :meth:`adopt` checked the same bytes)."""
         slot = self.slot_for(step)
         assert slot.buffer is not None
-        restore_from_buffer(self.state, slot.buffer, slot.meta())
+        restore_from_buffer(self.state, slot.buffer, slot.meta(), verify=verify)
 
     @property
     def state_bytes(self) -> int:

@@ -1,0 +1,123 @@
+"""A failure right after a recovery (issue 21), under the real launcher, 2 nodes x 2.
+
+The full chaos soak died this way: rank 1 was SIGKILLed, generation 1 recovered in a
+tenth of a second, and 0.3 s later rank 0 was SIGKILLed in the first step after it. Node
+0's agent had last seen rank 0's heartbeat file change before the recovery, declared
+the failure from that stale view, and the declaration was folded into the generation
+that had just ended: nobody recovered, and the job died two minutes later.
+
+Each test here kills one rank, then another rank in the first step after the recovery
+(by fault phase, or by the clock 0.1-0.5 s after the resume), and requires a second
+generation that every rank joins, a run bit-identical to the failure-free one, and the
+survivors noticing each failure within a few heartbeats.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from recovery.protocol import read_events
+from tests.recovery_harness import (
+    TRAIN_ARGS,
+    assert_same_final,
+    assert_succeeded,
+    run_job,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
+FIRST_KILL = "1:8:backward:sigkill"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = run_job(tmp_path_factory.mktemp("reference"), nnodes=2, timeout_s=150)
+    assert_succeeded(job)
+    assert not job.events("recovery"), "the reference run recovered from something"
+    return job
+
+
+def _check_two_generations(job, victims: list[int]) -> None:
+    recs = job.events("recovery")
+    gens = sorted({e["gen"] for e in recs})
+    assert len(gens) >= 2, f"the second failure was not recovered from: generations {gens}"
+    for gen in gens:
+        joined = sorted(e["rank"] for e in recs if e["gen"] == gen)
+        assert joined == [0, 1, 2, 3], f"generation {gen} completed with ranks {joined}"
+    declared = job.events("failure_declared")
+    for victim in victims:
+        # Every victim's death led to a generation newer than the one it took part in.
+        mine = [e for e in declared if e["cause"].get("rank") == victim]
+        assert mine, f"no agent declared rank {victim}'s failure: {declared}"
+        assert all(e["gen"] > e["cause"]["gen_of_process"] for e in mine), mine
+    # The second failure: every rank that had resumed in the first recovery's generation
+    # noticed it within a few heartbeats (a failed collective or the watchdog), never
+    # by the collective timeout (the soak's survivors noticed after 120 s).
+    first = gens[0]
+    resumed = [e for e in job.events("resumed") if e["gen"] == first]
+    second_victim = victims[-1]
+    killed_at = min(e["ts"] for e in job.events("worker_exit")
+                    if e["rank"] == second_victim and e["ts"] > min(x["ts"] for x in resumed))
+    expect = {e["rank"] for e in resumed if e["ts"] < killed_at} - {second_victim}
+    noticed = {e["rank"]: round(e["ts"] - killed_at, 2)
+               for e in job.events("failure_detected") if e["gen"] == first}
+    late = {r: noticed.get(r) for r in expect if noticed.get(r) is None or noticed[r] > 3.0}
+    assert not late, f"ranks noticed the second failure late or never (s): {late}"
+
+
+@pytest.mark.parametrize("second", [
+    "0:8:replication:sigkill",  # the issue's sequence: rank 0, same node as rank 1
+    "0:8:optimizer:sigkill",
+    "3:8:snapshot:sigkill",     # the other node
+])
+def test_a_kill_in_the_first_step_after_a_recovery(tmp_path, reference, second):
+    """Rank 1 dies in step 8's backward, so nobody gets past step 8's optimizer or
+    replication before the recovery; the second fault fires in the replay of step 8."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, timeout_s=150,
+                  overrides=[f"recovery.fault={FIRST_KILL};{second}", *FAST])
+    assert_succeeded(job)
+    fired = job.events("fault_injected")
+    assert len(fired) == 2, f"both faults must fire: {fired}"
+    first_recovery = min(e["ts"] for e in job.events("recovery"))
+    assert fired[1]["ts"] > first_recovery, "the second fault fired before the recovery"
+    _check_two_generations(job, [1, int(second.split(":")[0])])
+    assert_same_final(reference, job)
+
+
+def _kill_after_resume(victim: int, delay_s: float):
+    """A ``during`` hook: once the first recovery resumed, wait ``delay_s`` and SIGKILL
+    ``victim``'s process (its pid from the agent's ``worker_start`` events)."""
+    def hook(run_dir: Path) -> None:
+        events = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            evs = read_events(events) if events.exists() else []
+            if any(e["event"] == "resumed" for e in evs):
+                time.sleep(delay_s)
+                pid = [e["pid"] for e in read_events(events)
+                       if e["event"] == "worker_start" and e["rank"] == victim][-1]
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+        raise AssertionError("the first recovery never resumed")
+    return hook
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_kill_a_moment_after_a_recovery(tmp_path, reference, victim):
+    """The second SIGKILL comes from outside, 0.1-0.5 s after the first resume, in
+    whatever phase the victim is then."""
+    delay = random.Random(victim).uniform(0.1, 0.5)
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, timeout_s=150,
+                  script_args=(*TRAIN_ARGS[:1], "40", *TRAIN_ARGS[2:]),
+                  overrides=[f"recovery.fault={FIRST_KILL}", *FAST],
+                  during=_kill_after_resume(victim, delay))
+    assert_succeeded(job)
+    _check_two_generations(job, [1, victim])
