@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -90,11 +91,12 @@ def reset_parallel_modules(fresh_process: bool) -> tuple[int, int]:
     except ImportError:  # a torch without FSDP2
         FSDPModule = ()  # isinstance(x, ()) is always False
     ddps, fsdps = [], []
-    for obj in gc.get_objects():
-        # nn.Module first: FSDPModule's ABC check on arbitrary objects touches
-        # deprecated torch attributes (a FutureWarning per recovery).
-        if not isinstance(obj, torch.nn.Module):
-            continue
+    with warnings.catch_warnings():
+        # isinstance() on torch's deprecated ``dist.reduce_op`` object warns
+        # (a FutureWarning per recovery, on every rank's console).
+        warnings.simplefilter("ignore", FutureWarning)
+        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+    for obj in modules:
         if isinstance(obj, DistributedDataParallel):
             if elastic_group.is_owned(getattr(obj, "process_group", None)):
                 ddps.append(obj)

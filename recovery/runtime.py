@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
 import os
 import sys
 import time
@@ -44,6 +45,10 @@ from replication.replicator import Replicator
 from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
 from replication.transport import WaitAbandoned, wait_polled
+
+#: Seconds a failure's declaration and teardown may take before every thread's stack
+#: goes to stderr. They take milliseconds; a CI soak once saw a rank spend 120 s here.
+TEARDOWN_STALL_S = 15.0
 
 
 def _refuse_unlaunched_multiprocess(env: WorkerEnv) -> None:
@@ -415,9 +420,15 @@ class Checkpointless:
         rec = self.settings.recovery
         self.log.emit("failure_detected", rank=self.rank, gen=self.gen, step=self.step,
                       cause=cause)
-        if not newcomer:
-            protocol.declare_failure(self.store, self.gen, {**cause, "ts": t_detect})
-        self._teardown_generation()
+        # Declaring and tearing down take milliseconds; if they ever take long, the
+        # stacks of every thread go to stderr (the agent's log) to say where it hangs.
+        faulthandler.dump_traceback_later(TEARDOWN_STALL_S, exit=False)
+        try:
+            if not newcomer:
+                protocol.declare_failure(self.store, self.gen, {**cause, "ts": t_detect})
+            self._teardown_generation()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         t_abort = time.time()
         while True:
             # Checked on every pass: failures during a recovery make generations too.
