@@ -263,14 +263,27 @@ class _AssignmentWatch:
 
 
 def run_assigned(assignment: dict) -> None:
+    """Run the rank's script as ``python [-m] SCRIPT ARGS`` would. An exception that
+    escapes it before this process completed a training step (a bad import, a typo, a
+    missing file) stops the whole job with one line (:mod:`recovery.user_errors`): a
+    replacement would fail the same way, so it is never retried."""
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     argv = [str(a) for a in assignment["argv"]]
     sys.argv = argv
-    if assignment.get("module"):
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-        return
-    sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if assignment.get("module"):
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            return
+        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    except Exception as exc:
+        from recovery import user_errors
+        from recovery.errors import Fenced, RecoveryImpossible
+
+        # The runtime's own verdicts (recorded and reported already) leave as before.
+        if user_errors.first_step_done() or isinstance(exc, (RecoveryImpossible, Fenced)):
+            raise
+        user_errors.stop_before_first_step(exc)
 
 
 def main() -> int:

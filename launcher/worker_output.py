@@ -4,7 +4,8 @@ With many ranks on a node, bare worker output cannot be told apart ("durable che
 skipped" eight times, tracebacks of unknown origin) and long lines from two workers can
 interleave mid-line. So each worker's stdout and stderr are pipes that the agent copies
 to its own stdout and stderr, prefixing every line with ``[rank<N>]: `` (torchrun's
-``--tee`` style) and writing each line with one call under a lock.
+``--tee`` style; a line that already starts with it, as torch's own C++ logging
+writes them, is not prefixed twice) and writing each line with one call under a lock.
 
 A warm spare's pipes exist before it has a rank: its lines read ``[spare]: `` until
 :meth:`Relay.set_label` names the rank it was handed. Relays are daemon threads; the
@@ -71,7 +72,10 @@ class Relay:
             src.close()
 
     def _write(self, dst: TextIO, line: bytes) -> None:
-        data = f"[{self.label}]: ".encode() + line
+        prefix = f"[{self.label}]: ".encode()
+        # torch's C++ logging (TORCH_DISTRIBUTED rank prefixes) already starts lines
+        # with "[rank3]:"; one prefix per line is enough, whatever the depth.
+        data = line if line.startswith(prefix.rstrip()) else prefix + line
         with _LOCK:
             try:
                 dst.flush()  # whatever the agent printed itself goes first

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from recovery import auth, elastic_group, process_groups, protocol
+from recovery import auth, elastic_group, process_groups, protocol, user_errors
 from recovery.durable_restore import agree_and_read
 from recovery.env import WorkerEnv
 from recovery.errors import FailureDetected, Fenced, InjectedFault, RecoveryImpossible
@@ -130,6 +130,7 @@ class Checkpointless:
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self._transfer_parts: dict[str, float] = {}
+        self._repeats = user_errors.RepeatGuard()
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
         self.watchdog.start(self.gen)
         # Registered first so it runs last: exit at once if abandoned gloo groups remain.
@@ -240,7 +241,15 @@ class Checkpointless:
             self._fatal(str(exc))
         if not self.settings.recovery.enabled:
             raise exc
-        return self._recover(self._cause_of(exc))
+        cause = self._cause_of(exc)
+        if cause["local"] and self._repeats.repeated(exc, self.step):
+            reason = (f"rank {self.rank} raised {user_errors.describe(exc)} at step "
+                      f"{self.step} again after recovering from it: a deterministic "
+                      "failure (a bug in the step, or state the runtime does not know "
+                      "about), not retried")
+            user_errors.stop_job(reason, exc)
+            self._fatal(reason)
+        return self._recover(cause)
 
     def finish(self, *, destroy_group: bool = True) -> None:
         """Training is over: wait for the last commit, persist it, tell the agent.
@@ -259,6 +268,7 @@ class Checkpointless:
 
     def _after_step(self, step: int, snapshot: bool | None = None) -> None:
         assert self.replicator is not None
+        user_errors.mark_first_step_done()
         # A slot the durable writer still reads is held (see _persist_committed): the
         # capture below takes another slot, or waits only if it must reuse that one.
         if snapshot is None:

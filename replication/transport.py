@@ -9,6 +9,7 @@ so gloo streams them back to back instead of one blocking send per tensor.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -58,6 +59,13 @@ def wait_polled(
                 raise TimeoutError(str(exc)) from exc
             if now - started < poll.total_seconds() / 2:  # a timeout that is final
                 time.sleep(poll.total_seconds())
+
+
+def _drop_group(group: AbortableGloo, pg: object) -> None:
+    """Release an aborted side-channel group (see :meth:`SideChannel.abort`); the last
+    references die here, so a destructor that waits blocks only this thread."""
+    group.release()
+    del pg
 
 
 def _chunks(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
@@ -124,9 +132,15 @@ class SideChannel:
         self._aborted = True
         self._group.abort()
         # Drop the group: an abandoned round's thread may still hold this channel while
-        # it waits for a commit, and the group's threads must not live that long.
-        self._group.release()
+        # it waits for a commit, and the group's threads must not live that long. The
+        # drop happens on a thread of its own: destroying a gloo group joins its worker
+        # threads, and if an operation is still pending (the shutdown missed one of its
+        # sockets), that join lasts until the operation's timeout. A CI soak saw a
+        # recovery's teardown wait the full 120 s replication timeout here.
+        group, pg = self._group, self.pg
         self.pg = None
+        threading.Thread(target=_drop_group, args=(group, pg), daemon=True,
+                         name="checkpointless-side-drop").start()
 
     def _wait(self, works: Sequence, what: str) -> None:
         # Not polled: a gloo send/recv whose wait times out closes the pair ("Application

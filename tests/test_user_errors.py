@@ -1,0 +1,75 @@
+"""A user's bug stops the job at once with one line; it is never retried (issue 16).
+
+Real launcher, 2 workers. Before: a script that raised at import, ``-m`` with a module
+that does not exist, or a ``ValueError`` in step 7 were each retried
+``recovery.max_restarts`` (10) times and ended with "max_restarts exceeded" under 465
+lines of tracebacks, never naming the exception.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recovery_harness import REPO, agent_command, run_job, start_agent
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _all_output(job) -> str:
+    return "\n".join(a.stdout + a.stderr for a in job.agents.values())
+
+
+def _assert_stopped_once(job, *, within_s: float) -> str:
+    assert not job.timed_out, job.output()
+    assert job.returncodes[0] not in (0, None), job.returncodes
+    assert job.elapsed_s < within_s, f"took {job.elapsed_s:.1f}s\n{job.output()}"
+    assert not job.events("failure_declared"), "a user's bug was treated as a failure"
+    starts = job.events("worker_start")
+    assert len(starts) == 2, f"a worker was restarted: {starts}"
+    text = _all_output(job)
+    assert "max_restarts" not in text, text[-3000:]
+    # the traceback once (the rank that recorded the failure), not once per rank/retry
+    assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    return text
+
+
+def test_an_import_error_stops_the_job_with_one_line(tmp_path):
+    job = run_job(tmp_path / "run", nproc=2, script="tests/user_scripts/bad_import.py",
+                  script_args=(), timeout_s=60)
+    text = _assert_stopped_once(job, within_s=30)
+    assert ("raised ModuleNotFoundError: No module named 'checkpointless_no_such_module' "
+            "(at tests/user_scripts/bad_import.py:3) before its first step") in text, text
+    assert "job failed: rank" in text
+
+
+def test_a_missing_module_stops_the_job_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = agent_command(node_rank=0, nnodes=1, nproc=2, run_dir=run_dir, endpoint=None,
+                        rdzv_id="x", spares=0, overrides=(), script="-m",
+                        script_args=("checkpointless_missing.train",))
+    agent = start_agent(cmd, 0, run_dir / "logs")
+    try:
+        rc = agent.proc.wait(timeout=60)
+    finally:
+        agent.kill()
+    text = agent.stdout + agent.stderr
+    assert rc != 0, text
+    assert "raised ModuleNotFoundError: No module named 'checkpointless_missing'" in text
+    assert "before its first step" in text and "max_restarts" not in text
+    assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    assert REPO.exists()
+
+
+def test_the_same_exception_at_the_same_step_is_not_retried(tmp_path):
+    job = run_job(tmp_path / "run", nproc=2, script="tests/user_scripts/bug_at_step.py",
+                  script_args=(), timeout_s=90)
+    assert not job.timed_out and job.returncodes[0] not in (0, None), job.output()
+    recs = job.events("recovery")
+    assert {e["gen"] for e in recs} == {1}, "one recovery (it may have moved), then stop"
+    text = _all_output(job)
+    assert ("rank 1 raised ValueError: bad batch shape at step 7 (at "
+            "tests/user_scripts/bug_at_step.py:21) at step 7 again after recovering from "
+            "it") in text, text[-3000:]
+    assert "max_restarts" not in text
+    fatal = job.events("job_failed")
+    assert fatal and "deterministic failure" in fatal[0]["reason"], fatal
