@@ -26,10 +26,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Keep PyTorch training alive through rank and node failures.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in load_commands():
         module.register(subparsers)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version, with torch's (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        ours = dist_version(PROG)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        ours = "(not installed)"
+    try:
+        torch_version = dist_version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"{ours} (torch {torch_version}, python {sys.version.split()[0]})"
 
 
 def error(message: str) -> int:

@@ -293,9 +293,12 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     if not port_text:
         return host, DEFAULT_RDZV_PORT
     try:
-        return host, _port("--rdzv-endpoint", int(port_text))
+        port = int(port_text)
     except ValueError:
-        raise UsageError(f"--rdzv-endpoint {text!r}: port is not an integer") from None
+        raise UsageError(f"--rdzv-endpoint {text!r}: port {port_text!r} is not an "
+                         "integer") from None
+    # _port's UsageError is a ValueError too: checked outside the int() guard
+    return host, _port(f"--rdzv-endpoint {text!r}", port)
 
 
 def parse_join_timeout(conf: str) -> float:

@@ -174,3 +174,12 @@ def test_subprocess_validates_shipped_recipes():
     for name in ("default.yaml", "nemo_nested.yaml"):
         result = run_cli("config", "validate", str(REPO / "examples" / "recipes" / name))
         assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr
+
+
+def test_version_names_ours_torch_and_python(capsys):
+    from launcher.cli import main
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("checkpointless 0.1.0 (torch 2.13.0"), out
+    assert "python 3." in out

@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from launcher.cli import main
 from launcher.commands.run_cmd import resolve_config
-from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace
+from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace, parse_endpoint
 from launcher.worker_env import JobEnv
 from recovery import protocol
 from tests.launcher_scripts.harness import REPO, WORKER, clean_env
@@ -155,3 +157,25 @@ def test_worker_env_layers():
                        replacement=True)
     assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"]) == ("3", "1", "6")
     assert env[protocol.ENV_REPLACEMENT] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "2"
+
+
+@pytest.mark.parametrize("endpoint,message", [
+    ("localhost:99999", "--rdzv-endpoint 'localhost:99999': port must be in 1..65535, got 99999"),
+    ("localhost:0", "port must be in 1..65535, got 0"),
+    ("localhost:abc", "--rdzv-endpoint 'localhost:abc': port 'abc' is not an integer"),
+    (":29400", "has no host"),
+])
+def test_a_bad_endpoint_is_named_for_what_is_wrong(endpoint, message):
+    with pytest.raises(UsageError) as err:
+        parse_endpoint(endpoint)
+    assert message in str(err.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(port=st.integers())
+def test_any_integer_port_is_accepted_or_refused_by_range(port):
+    if 1 <= port <= 65535:
+        assert parse_endpoint(f"host:{port}") == ("host", port)
+    else:
+        with pytest.raises(UsageError, match=r"port must be in 1\.\.65535"):
+            parse_endpoint(f"host:{port}")
