@@ -204,6 +204,15 @@ class _WorkWaiter:
             del work, fut
 
 
+def _gathered_alone(outputs: list[list[torch.Tensor]],
+                    inputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """An all-gather's result before this process joined: every slot holds its own input."""
+    for outs, inp in zip(outputs, inputs):
+        for out in outs:
+            out.copy_(inp)
+    return outputs
+
+
 class ElasticProcessGroup(dist.ProcessGroup):
     """A process group whose backend is swapped for each generation; see the module doc."""
 
@@ -418,13 +427,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> Any:
         opts = opts if opts is not None else AllgatherOptions()
-
-        def local() -> Any:
-            for outs, inp in zip(outputs, inputs):
-                for out in outs:
-                    out.copy_(inp)
-            return outputs
-        return self._run(inputs, lambda b: b.allgather(outputs, inputs, opts), local)
+        return self._run(inputs, lambda b: b.allgather(outputs, inputs, opts),
+                         functools.partial(_gathered_alone, outputs, inputs))
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor,
                         opts: Any = None) -> Any:
@@ -526,13 +530,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllgatherOptions()
-
-        def local() -> Any:
-            for outs, inp in zip(outputs, inputs):
-                for out in outs:
-                    out.copy_(inp)
-            return outputs
-        return self._run(inputs, lambda b: b.allgather_coalesced(outputs, inputs, opts), local)
+        return self._run(inputs, lambda b: b.allgather_coalesced(outputs, inputs, opts),
+                         functools.partial(_gathered_alone, outputs, inputs))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         return self._run(tensors, lambda b: b.recv_anysource(tensors, tag),

@@ -198,8 +198,9 @@ def generation_of_node(store: dist.Store, ranks: list[int], node: int, seen_gen:
 
 
 def _newest_joined(store: dist.Store, ranks: list[int], ours: Callable[[JoinRecord], bool],
-                   seen_gen: int,
-                   newest: int | None) -> int:
+                   seen_gen: int, newest: int | None) -> int:
+    """The newest generation after ``seen_gen`` holding a join record of one of
+    ``ranks`` for which ``ours`` holds; ``seen_gen`` if there is none."""
     newest = current_generation(store) if newest is None else newest
     for gen in range(newest, seen_gen, -1):
         for rank in ranks:

@@ -598,15 +598,16 @@ class Checkpointless:
         if self.rank in plan.providers:
             # Received straight into a snapshot slot: from now on this rank holds its
             # own snapshot of the target step, without capturing its state again.
-            slots: list[Any] = []
+            slot: Any = None
 
             def into_slot(meta: Any) -> torch.Tensor:
-                slots.append(rep.engine.incoming_slot(meta.layout))
-                return slots[0].buffer
+                nonlocal slot
+                slot = rep.engine.incoming_slot(meta.layout)
+                return slot.buffer
             meta, buf = receive_state(rep.channel, plan.providers[self.rank], chunk,
                                       into=into_slot)
             lap("receive_s")
-            rep.engine.adopt(slots[0], meta)  # checks every segment's checksum
+            rep.engine.adopt(slot, meta)  # checks every segment's checksum
             moved += buf.numel()
             lap("verify_s")
         rep.engine.restore(plan.target_step, verify=self.rank not in plan.providers)
