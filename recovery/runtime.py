@@ -229,6 +229,13 @@ class Checkpointless:
         snapshots to the durable tier, log."""
         self._after_step(step, snapshot=snapshot)
 
+    def wait_committed(self) -> None:
+        """Block until the newest snapshot is committed on every copy (re-raises the
+        failure of its replication round). Lets a framework release what must only
+        appear once a step is committed (the Lightning strategy's logged rows)."""
+        assert self.replicator is not None
+        self.replicator.wait()
+
     def recover(self, exc: BaseException) -> int:
         """Recover in-process from ``exc`` (any failure of a step, local or remote).
 

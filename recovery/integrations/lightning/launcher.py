@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from recovery.errors import RecoveryImpossible
+from recovery.integrations.lightning import loop_state
 from replication.codec import CodecError
 
 if TYPE_CHECKING:
@@ -79,8 +81,13 @@ class CheckpointlessLauncher(_Launcher):
         while True:
             if resume:
                 bound.arguments["ckpt_path"] = strategy.memory_ckpt_path
+                strategy.pin_logger_versions(trainer)
             try:
-                result = function(*bound.args, **bound.kwargs)
+                with warnings.catch_warnings():
+                    if resume:  # the directory is ours: the run being continued wrote it
+                        warnings.filterwarnings(
+                            "ignore", message=r"Checkpoint directory .* exists and is not empty")
+                    result = function(*bound.args, **bound.kwargs)
                 session.finish(destroy_group=False)
                 strategy.finished = True
                 return result
@@ -103,6 +110,7 @@ class CheckpointlessLauncher(_Launcher):
         strategy.abandoning = True  # type: ignore[attr-defined]
         try:
             trainer._teardown()
+            loop_state.discard_attempt(trainer)
         except Exception as exc:  # best effort: the state is restored from a snapshot anyway
             log.warning("teardown after a failure raised %r; continuing with the recovery", exc)
         finally:

@@ -38,6 +38,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from recovery import protocol
 from recovery.env import WorkerEnv
+from recovery.integrations.lightning import loop_state
 from recovery.integrations.lightning.checkpoint_io import (
     LATEST,
     MEMORY,
@@ -48,6 +49,7 @@ from recovery.integrations.lightning.checkpoint_io import (
 )
 from recovery.integrations.lightning.data import ResumableLoader
 from recovery.integrations.lightning.launcher import CheckpointlessLauncher
+from recovery.integrations.lightning.logger_gate import LoggerGate
 from recovery.integrations.lightning.state import LightningState
 from recovery.settings import RuntimeSettings
 
@@ -119,8 +121,11 @@ class CheckpointlessStrategy(DDPStrategy):
         self._loaded_loops: Any = None
         self._snap_step = -1
         self._step_at_fetch: int | None = None
-        self._val_ran = False
         self._loaders: list[ResumableLoader] = []
+        self._observed: dict[str, Any] | None = None  # restored loop state, until fit starts
+        self._warned_epoch_boundary = False
+        self._snap_due_next = False
+        self.gate = LoggerGate(lambda: self.session.step if self.session is not None else 0)
 
     # -- configuration -----------------------------------------------------------------
     @property
@@ -184,6 +189,15 @@ class CheckpointlessStrategy(DDPStrategy):
     def has_restored_state(self) -> bool:
         return self._restored and self.lstate.has_pending
 
+    def pin_logger_versions(self, trainer: Any) -> None:
+        """Before Lightning resolves a log directory: a replacement's loggers continue
+        the versions (directories) of the run whose state it received."""
+        if self.global_rank != 0 or not trainer.loggers:
+            return
+        observed = self.lstate.pending.get("trainer", {}).get(loop_state.KEY)
+        if observed:
+            LoggerGate.pin_versions(trainer.loggers, observed.get("logged"))
+
     @property
     def memory_ckpt_path(self) -> str:
         return MEMORY
@@ -211,6 +225,8 @@ class CheckpointlessStrategy(DDPStrategy):
         if self.session is not None and self.session.faults:
             for optimizer in self.optimizers:  # new objects on every (re-)entry of fit
                 self.session.faults.install(None, optimizer)
+        if trainer.state.fn == "fit" and self.global_rank == 0 and trainer.loggers:
+            self.gate.install(trainer.loggers)
 
     def teardown(self) -> None:
         io = self.checkpoint_io
@@ -240,6 +256,7 @@ class CheckpointlessStrategy(DDPStrategy):
             self._restored, self._from_memory = False, True
             checkpoint = self.lstate.take_checkpoint()
             self._restore_modes(checkpoint)
+            self._observed = checkpoint.pop(loop_state.KEY, None)
             return checkpoint
         self._from_memory = False
         opts = getattr(self.checkpoint_io, "storage_options", None) or {}
@@ -248,6 +265,7 @@ class CheckpointlessStrategy(DDPStrategy):
         if is_durable(path, opts):
             checkpoint, state = load_durable(path, self.global_rank, self.world_size, opts)
             checkpoint.pop("__checkpointless_rng__", None)
+            self._observed = checkpoint.pop(loop_state.KEY, None)
             pending = state.rng.pending
             if pending is not None and pending.get("at") in _DEFERRED_RNG:
                 self.lstate.rng.pending = pending  # a persisted snapshot: exact resume
@@ -307,16 +325,38 @@ class CheckpointlessStrategy(DDPStrategy):
             return
         g = trainer.global_step
         stepped = self._step_at_fetch is not None and g != self._step_at_fetch
-        boundary = stepped and not first and not self._val_ran
-        self._val_ran = False
         self._step_at_fetch = g
         if stepped:
             every = session.settings.replication.every_n_steps
-            due = boundary and g > self._snap_step and g % every == 0
-            self._end_step(trainer, g, due, "fetch")
+            persist = session.settings.persistence
+            persist_every = persist.every_n_steps if persist.path else 0
+            on_cadence = g % every == 0 or (persist_every > 0 and g % persist_every == 0)
+            due = g > self._snap_step and (on_cadence or self._snap_due_next)
+            if due and first:
+                self._warn_epoch_boundary(g, every)
+            elif due:
+                self._snap_due_next = False
+            self._end_step(trainer, g, due and not first, "fetch")
         session.begin_step(g + 1)
 
+    def _warn_epoch_boundary(self, step: int, every: int) -> None:
+        """A snapshot due at an epoch's last step is taken one step later: resuming
+        at an epoch's first batch would run ``on_train_epoch_start`` hooks twice."""
+        if not self._warned_epoch_boundary and self.global_rank == 0:
+            self._warned_epoch_boundary = True
+            log.warning(
+                "checkpointless: step %d ends an epoch; a snapshot there could not be resumed "
+                "without running on_train_epoch_start twice, so it is taken at the next step "
+                "(replication.every_n_steps=%d; persistence.every_n_steps saves due at "
+                "epoch ends are skipped; shown once)", step, every)
+        self._snap_due_next = True
+
     def _end_step(self, trainer: Any, step: int, snapshot: bool, at: str) -> None:
+        if snapshot and self.gate.holding:
+            # Rows of steps up to the previous snapshot are committed once its round
+            # is: write them now; the rows still held travel in this snapshot.
+            self.session.wait_committed()
+            self.gate.release(self._snap_step)
         if snapshot:
             self.lstate.refresh(lambda: self._dump(trainer), at=at,
                                 optimizers=trainer.optimizers)
@@ -338,6 +378,9 @@ class CheckpointlessStrategy(DDPStrategy):
         # train mode when fit starts: a failure inside validation would otherwise replay
         # the next steps in eval mode (no dropout).
         checkpoint[MODES_KEY] = [m.training for m in trainer.lightning_module.modules()]
+        strategy = trainer.strategy
+        checkpoint[loop_state.KEY] = {**loop_state.capture(trainer),
+                                      "logged": strategy.gate.snapshot()}
         return checkpoint
 
     def _restore_modes(self, checkpoint: dict[str, Any]) -> None:
@@ -351,8 +394,12 @@ class CheckpointlessStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        self._val_ran = False
         self._step_at_fetch = trainer.global_step
+        if self._observed is not None:  # resumed from one of the runtime's snapshots
+            observed, self._observed = self._observed, None
+            loop_state.restore(trainer, observed)
+            self.gate.restore(observed["logged"], target=trainer.global_step)
+            _resume_at_boundary(trainer.fit_loop.epoch_loop)
         if self._from_memory:  # re-entered fit from the runtime's restored state
             self._from_memory = False
             self.lstate.rng.apply_pending("train_start")
@@ -378,16 +425,15 @@ class CheckpointlessStrategy(DDPStrategy):
             self.lstate.release()
         self._snap_step = step
 
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._val_ran = True
-
     def on_train_end(self) -> None:
         super().on_train_end()
         trainer = self.lightning_module.trainer
         step = trainer.global_step
         if self.session is not None and step > self._snap_step:
             self._end_step(trainer, step, True, "end")  # the final state, committed
+        if self.session is not None:
+            self.session.wait_committed()
+            self.gate.finish()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -396,3 +442,24 @@ class CheckpointlessStrategy(DDPStrategy):
         for name, description in NAMES.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description)
+
+
+def _resume_at_boundary(epoch_loop: Any) -> None:
+    """Resume a snapshot taken at the step boundary as exactly that point.
+
+    Lightning's restart logic assumes a checkpoint written inside a batch's
+    ``on_advance_end`` (``ModelCheckpoint`` on validation end): when validation was due
+    after the restored batch, its first ``advance`` skips the batch and re-runs the tail
+    of ``on_advance_end`` (the plateau schedulers step again, the logger step advances
+    again). The runtime's snapshots are taken after that tail, before the next batch is
+    fetched, so for them the first restart check answers "no validation pending".
+    """
+    cls_check = type(epoch_loop)._should_check_val_fx
+
+    def first_check(data_fetcher: Any) -> bool:
+        del epoch_loop._should_check_val_fx
+        if epoch_loop.restarting:
+            return False
+        return cls_check(epoch_loop, data_fetcher)
+
+    epoch_loop._should_check_val_fx = first_check

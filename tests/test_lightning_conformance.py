@@ -1,0 +1,117 @@
+"""Lightning conformance: after a recovery, everything a Lightning user observes equals
+the failure-free run, not only the weights.
+
+The job (``tests/lightning_scripts/conformance.py``, 2 nodes x 2 workers) uses validation
+every 4 batches, ``self.log`` with mean and sum reductions on step and epoch,
+torchmetrics objects, ``EarlyStopping``, ``ModelCheckpoint(monitor="val_loss",
+save_top_k=2, save_last=True)``, a ``CSVLogger``, gradient accumulation, a per-step
+scheduler and a ``ReduceLROnPlateau``. A worker is SIGKILLed on different rank
+positions, in training and in validation; the assertion is the whole observable
+outcome:
+
+- weights, optimizer state, step, data order (``assert_same_final``);
+- every ``callback_metrics`` value callbacks saw after each validation and epoch, the
+  final ``callback_metrics``, EarlyStopping's and ModelCheckpoint's states, the LR;
+- every row of the CSV logger's ``metrics.csv``, in order, in the same ``version_0``
+  directory (no rows twice, none missing, no second version);
+- the checkpoints written (names, which carry step and ``val_loss``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("torchmetrics")
+
+from tests.recovery_harness import assert_same_final, assert_succeeded, run_job
+
+pytestmark = pytest.mark.timeout(400)
+
+SCRIPT = "tests/lightning_scripts/conformance.py"
+FAST = ("recovery.heartbeat_timeout_s=10", "recovery.heartbeat_interval_s=0.5")
+OBSERVED = ("seen", "callback_metrics", "early_stopping", "model_checkpoint", "lr")
+STEPS = 18  # 3 epochs x 12 batches per rank / accumulate 2
+
+
+def _rows(job) -> list[dict[str, str]]:
+    path = job.run_dir / "csv" / "version_0" / "metrics.csv"
+    assert path.is_file(), f"no {path}; logs: {sorted(os.listdir(job.run_dir / 'logs'))}"
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _checkpoints(job) -> list[str]:
+    return sorted(os.listdir(job.run_dir / "ckpts"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = run_job(tmp_path_factory.mktemp("reference"), nnodes=2, nproc=2, script=SCRIPT,
+                  script_args=(), timeout_s=300, overrides=FAST)
+    assert_succeeded(job)
+    assert not job.events("recovery"), "the reference run recovered from something"
+    finals = job.finals()
+    assert {f["step"] for f in finals.values()} == {STEPS}
+    return job
+
+
+def assert_same_observed(reference, job) -> None:
+    assert_same_final(reference, job)
+    ref, got = reference.finals(), job.finals()
+    for r in sorted(ref):
+        for key in OBSERVED:
+            assert got[r][key] == ref[r][key], (
+                f"rank {r}: {key} differs from the failure-free run:\n"
+                f"{json.dumps(got[r][key])}\n!=\n{json.dumps(ref[r][key])}")
+    assert sorted(os.listdir(job.run_dir / "csv")) == ["version_0"], (
+        "the logger split into versions", sorted(os.listdir(job.run_dir / "csv")))
+    ref_rows, rows = _rows(reference), _rows(job)
+    steps = [r["step"] for r in rows]
+    assert rows == ref_rows, (
+        f"logged rows differ: {len(rows)} rows (steps {steps}) against {len(ref_rows)} "
+        f"(steps {[r['step'] for r in ref_rows]})")
+    assert _checkpoints(job) == _checkpoints(reference)
+
+
+def test_reference_is_observable(reference):
+    """The reference itself exercises what the comparison relies on."""
+    final = reference.finals()[0]
+    wheres = [h["where"] for h in final["seen"]]
+    assert wheres.count("validation") == 9 and wheres.count("train_epoch") == 3, wheres
+    assert {"train_loss_epoch", "train_acc", "train_seen", "val_loss", "val_acc",
+            "val_seen"} <= set(final["callback_metrics"])
+    assert final["callback_metrics"]["val_seen"] == 48.0  # sum over 3 batches x 4 ranks x 4
+    assert final["callback_metrics"]["train_seen"] == 48.0  # this rank's samples per epoch
+    rows = _rows(reference)
+    assert len({r["step"] for r in rows if r.get("train_loss_step")}) == STEPS
+    names = _checkpoints(reference)
+    assert "last.ckpt" in names and len(names) == 3, names
+
+
+@pytest.mark.parametrize("fault,spares", [
+    ("0:7:backward:sigkill", 1),   # rank 0, mid-epoch: a replacement rank 0 logs on
+    ("3:13:optimizer:sigkill", 0),  # the other node, first steps of the last epoch
+])
+def test_kill_in_training(tmp_path, reference, fault, spares):
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=spares, script=SCRIPT,
+                  script_args=(), timeout_s=300, overrides=(*FAST, f"recovery.fault={fault}"))
+    assert_succeeded(job)
+    assert len(job.events("fault_injected")) == 1, job.output()
+    assert job.events("recovery"), "nothing recovered"
+    assert_same_observed(reference, job)
+
+
+def test_kill_in_validation(tmp_path, reference):
+    """Rank 2 dies in the validation after step 4: the aborted validation's
+    accumulators must not leak into the replayed one."""
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=1, script=SCRIPT,
+                  script_args=("--kill-in-validation", "2:4"), timeout_s=300,
+                  overrides=FAST)
+    assert_succeeded(job)
+    assert (job.run_dir / "killed-in-validation").exists(), job.output()
+    assert_same_observed(reference, job)
