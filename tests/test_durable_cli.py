@@ -48,18 +48,22 @@ def test_list_human_and_json(root, capsys):
     assert rc == 0
     lines = out.strip().splitlines()
     assert lines[0].split()[:4] == ["STEP", "STATUS", "WORLD", "SIZE"]
-    assert [ln.split()[0] for ln in lines[1:]] == ["10", "20", "30"]
+    assert [ln.split()[0] for ln in lines[1:-1]] == ["10", "20", "30"]
+    assert all(ln.split()[1] == "complete" for ln in lines[1:-1])
+    assert "contents not re-hashed" in lines[-1]  # list never claims more than it checked
     rc, out, _ = run(capsys, "list", str(root), "--all")
     assert "incomplete (no manifest)" in out and "40" in out
     rc, out, _ = run(capsys, "list", str(root), "--json")
     doc = json.loads(out)
     assert [c["step"] for c in doc["checkpoints"]] == [10, 20, 30]
     assert doc["checkpoints"][0]["status"] == "valid" and doc["checkpoints"][0]["world_size"] == 1
+    assert doc["checkpoints"][0]["contents_verified"] is False
 
 
 def test_show(root, capsys):
     rc, out, _ = run(capsys, "show", str(root))
     assert rc == 0 and "step         30" in out and "rank_0/__0_0.distcp" in out
+    assert "contents not verified" in out
     rc, out, _ = run(capsys, "show", str(root / "step_10"), "--json")
     doc = json.loads(out)
     assert doc["step"] == 10 and doc["manifest"]["world_size"] == 1

@@ -22,6 +22,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,7 @@ from tests.recovery_harness import assert_same_final, assert_succeeded, run_job
 
 pytestmark = pytest.mark.timeout(400)
 
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/lightning_scripts/conformance.py"
 FAST = ("recovery.heartbeat_timeout_s=10", "recovery.heartbeat_interval_s=0.5")
 OBSERVED = ("seen", "callback_metrics", "early_stopping", "model_checkpoint", "lr")
@@ -115,3 +119,54 @@ def test_kill_in_validation(tmp_path, reference):
     assert_succeeded(job)
     assert (job.run_dir / "killed-in-validation").exists(), job.output()
     assert_same_observed(reference, job)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_checkpoints_open_in_plain_lightning(reference, tmp_path):
+    """A ModelCheckpoint written under the strategy: retention keeps one step in
+    last.ckpt; `ckpt list`/`latest` find the roots one level down; the export loads in
+    plain Lightning (load_from_checkpoint, fit(ckpt_path=...)); the directory itself loads
+    with CheckpointlessCheckpointIO and no strategy."""
+    ckpts = reference.run_dir / "ckpts"
+    last = ckpts / "last.ckpt"
+    assert sorted(p.name for p in last.iterdir() if p.name.startswith("step_")) == ["step_4"]
+
+    listed = _cli("ckpt", "list", str(ckpts), "--json")
+    assert listed.returncode == 0, listed.stderr
+    found = json.loads(listed.stdout)["checkpoints"]
+    assert {c["url"].rstrip("/").split("/")[-2] for c in found} == set(_checkpoints(reference))
+    assert not any(c["contents_verified"] for c in found)
+    table = _cli("ckpt", "list", str(ckpts))
+    assert "complete" in table.stdout and "not re-hashed" in table.stdout, table.stdout
+
+    latest = _cli("ckpt", "latest", str(ckpts))
+    assert latest.returncode == 0, latest.stderr
+    assert latest.stdout.strip().startswith(str(ckpts)), latest.stdout
+
+    exported = tmp_path / "model.ckpt"
+    done = _cli("ckpt", "export", "--lightning", str(last), str(exported))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {exported}" in done.stdout, done.stdout
+
+    out = tmp_path / "plain.json"
+    run = subprocess.run([sys.executable, "-m", "tests.lightning_scripts.plain_load",
+                          str(exported), str(last), str(out)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["loaded_step"] == 4 and seen["weights_match"], seen
+    assert seen["hparams"]["kill_in_validation"] == "", seen
+    assert seen["fit_exported_step"] > 4 and seen["fit_durable_step"] > 4, seen
+
+
+def test_ckpt_cli_says_what_is_wrong(tmp_path):
+    missing = _cli("ckpt", "latest", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr, missing.stderr
+    empty = _cli("ckpt", "latest", str(tmp_path))
+    assert empty.returncode == 2 and "no complete checkpoint" in empty.stderr, empty.stderr
+    bad = _cli("ckpt", "export", "--lightning", str(tmp_path), str(tmp_path / "x.ckpt"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

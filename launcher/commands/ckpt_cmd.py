@@ -1,7 +1,9 @@
-"""``checkpointless ckpt list|show|verify|prune URL``: inspect durable checkpoints.
+"""``checkpointless ckpt list|latest|show|verify|prune|export URL``: durable checkpoints.
 
-URL is a persistence root (``persistence.path``) or one ``step_<N>`` directory under it,
-on any fsspec store (a local path, ``s3://bucket/prefix``, ``gs://...``). Options for
+URL is a persistence root (``persistence.path``), one ``step_<N>`` directory under it, or
+(for ``list`` and ``latest``) a directory whose subdirectories are roots, such as a
+``ModelCheckpoint`` directory (each ``.ckpt`` name is a root), on any fsspec store (a
+local path, ``s3://bucket/prefix``, ``gs://...``). Options for
 the store go in ``-o KEY=VALUE`` (dotted keys nest: ``-o client_kwargs.endpoint_url=
 http://127.0.0.1:9000``; values are read as JSON when they parse, else as strings).
 
@@ -25,10 +27,16 @@ EXIT_USAGE = 2
 EPILOG = """\
 examples:
   checkpointless ckpt list /mnt/ckpt/run1
+  checkpointless ckpt list lightning_logs/version_0/checkpoints   # one root per .ckpt
+  checkpointless ckpt latest /mnt/ckpt/run1          # prints the newest checkpoint's URL
   checkpointless ckpt list s3://bucket/run1 -o client_kwargs.endpoint_url=http://minio:9000
   checkpointless ckpt show /mnt/ckpt/run1            # the newest valid checkpoint
   checkpointless ckpt verify /mnt/ckpt/run1/step_400 --json
-  checkpointless ckpt prune /mnt/ckpt/run1 --keep-last 3 --dry-run"""
+  checkpointless ckpt prune /mnt/ckpt/run1 --keep-last 3 --dry-run
+  checkpointless ckpt export --lightning ckpts/last.ckpt model.ckpt  # for plain Lightning
+
+"complete" means the manifest is there and every file has the size it records (one
+listing); file contents are re-hashed only by `verify`."""
 
 
 class _CkptError(Exception):
@@ -48,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true",
                    help="also list incomplete and damaged step directories")
     p.set_defaults(handler=_guard(_list))
+
+    p = actions.add_parser("latest", help="print the URL of the newest complete checkpoint")
+    _common(p)
+    p.set_defaults(handler=_guard(_latest))
 
     p = actions.add_parser("show", help="details of one checkpoint (default: the newest)")
     _common(p)
@@ -69,6 +81,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "when untouched for S seconds (a save may be writing them; default 3600)")
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     p.set_defaults(handler=_guard(_prune))
+
+    p = actions.add_parser(
+        "export", help="write a checkpoint in another framework's own format",
+        description="Write one rank's part of a durable checkpoint as a file that the "
+        "framework loads without checkpointless (verified while reading).")
+    _common(p)
+    p.add_argument("dest", metavar="DEST", help="the file to write (local path)")
+    p.add_argument("--lightning", action="store_true", required=True,
+                   help="a single-file Lightning .ckpt (torch.save), for "
+                   "Model.load_from_checkpoint and Trainer.fit(ckpt_path=...)")
+    p.add_argument("--rank", type=int, default=0,
+                   help="whose part (RNG streams and data position differ per rank)")
+    p.set_defaults(handler=_guard(_export))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -145,24 +170,75 @@ def _dump(doc: Any) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from replication.durable import scan
+    from replication.durable import find_roots, scan
 
-    infos = scan(args.url, _opts(args))
+    opts = _opts(args)
+    infos = [i for root in find_roots(args.url, opts) for i in scan(root, opts)]
     if not args.all:
         infos = [i for i in infos if i.valid]
     if args.json:
-        _dump({"url": args.url, "checkpoints": [i.to_json() for i in infos]})
+        _dump({"url": args.url, "checkpoints": [_info_json(i) for i in infos]})
         return 0
     if not infos:
-        print(f"no {'step directories' if args.all else 'valid checkpoints'} under {args.url}")
+        print(f"no {'step directories' if args.all else 'complete checkpoints'} under "
+              f"{args.url} or its subdirectories")
         return 0
     rows = [("STEP", "STATUS", "WORLD", "SIZE", "CREATED", "URL")]
     for i in infos:
         created = _when(i.manifest.created_unix if i.manifest else i.mtime)
-        status = i.status if i.valid or not i.reason else f"{i.status} ({i.reason})"
-        rows.append((str(i.step), status, str(i.world_size or "-"), _size(i.nbytes), created,
-                     i.url))
+        rows.append((str(i.step), _status(i), str(i.world_size or "-"), _size(i.nbytes),
+                     created, i.url))
     _table(rows)
+    print(NOT_VERIFIED)
+    return 0
+
+
+#: What ``list`` and ``show`` can and cannot see (they read a listing and the manifest).
+NOT_VERIFIED = ("complete: manifest present, every file at its recorded size; contents not "
+                "re-hashed (run `checkpointless ckpt verify URL`)")
+
+
+def _status(info: Any) -> str:
+    if info.valid:
+        return "complete"
+    return f"{info.status} ({info.reason})" if info.reason else info.status
+
+
+def _info_json(info: Any) -> dict[str, Any]:
+    return {**info.to_json(), "contents_verified": False}
+
+
+def _latest(args: argparse.Namespace) -> int:
+    from replication.durable import DurableError, find_roots, newest_checkpoint
+
+    opts = _opts(args)
+    find_roots(args.url, opts)  # a missing or non-directory URL is an error, said so
+    info = newest_checkpoint([args.url], opts)
+    if info is None:
+        raise DurableError(f"no complete checkpoint under {args.url} or its subdirectories")
+    if args.json:
+        _dump(_info_json(info))
+    else:
+        print(info.url)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from replication.durable import open_checkpoint
+
+    opts = _opts(args)
+    info = open_checkpoint(args.url, opts)
+    try:
+        from recovery.integrations.lightning.export import export_lightning
+    except ImportError as exc:
+        raise _CkptError(f"--lightning needs Lightning installed ({exc})") from None
+    out = export_lightning(info, args.dest, rank=args.rank, storage_options=opts)
+    if args.json:
+        _dump({"source": info.url, "dest": args.dest, "step": out["global_step"],
+               "bytes": out["bytes"]})
+    else:
+        print(f"wrote {args.dest} ({_size(out['bytes'])}): step {out['global_step']} of "
+              f"{info.url}, rank {args.rank}'s part; load it with plain Lightning")
     return 0
 
 
@@ -179,9 +255,11 @@ def _show(args: argparse.Namespace) -> int:
     m = info.manifest
     assert m is not None
     if args.json:
-        _dump({**info.to_json(), "manifest": m.to_json()})
+        _dump({**_info_json(info), "manifest": m.to_json()})
         return 0
     print(f"checkpoint   {info.url}")
+    print("status       complete (sizes match the manifest; contents not verified: "
+          "`checkpointless ckpt verify`)")
     print(f"step         {m.step}")
     print(f"world size   {m.world_size}")
     print(f"run id       {m.run_id}")

@@ -14,6 +14,8 @@ Reading::
 
     list_checkpoints(url)            # valid checkpoints, oldest first
     latest_checkpoint(url)           # newest valid one, or None
+    find_roots(url)                  # url, or its subdirectories holding checkpoints
+    newest_checkpoint([url, ...])    # newest valid one across roots (by manifest time)
     load(url_or_ckpt, state, rank=r) # verified, into live objects
     load_latest(url, state, rank=r)  # newest that verifies; falls back and says so
     verify(ckpt)                     # re-hash every file -> VerifyReport
@@ -27,8 +29,10 @@ from replication.durable.catalog import (
     CheckpointInfo,
     PruneReport,
     VerifyReport,
+    find_roots,
     latest_checkpoint,
     list_checkpoints,
+    newest_checkpoint,
     open_checkpoint,
     prune,
     scan,
@@ -50,10 +54,12 @@ __all__ = [
     "PruneReport",
     "SaveResult",
     "VerifyReport",
+    "find_roots",
     "latest_checkpoint",
     "list_checkpoints",
     "load",
     "load_latest",
+    "newest_checkpoint",
     "open_checkpoint",
     "prune",
     "read_history",

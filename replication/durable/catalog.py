@@ -163,6 +163,57 @@ def scan(url: str, storage_options: dict | None = None) -> list[CheckpointInfo]:
     return [inspect_step(fs, root, s, url, storage_options) for s in steps]
 
 
+def find_roots(url: str, storage_options: dict | None = None) -> list[str]:
+    """``url`` if it holds step directories, else those of its immediate subdirectories
+    that do: a ``ModelCheckpoint`` directory holds one durable root per ``.ckpt`` name.
+
+    Raises :class:`DurableError` if ``url`` does not exist or is not a directory.
+    """
+    fs, root = resolve(url, storage_options)
+    try:
+        if step_dirs(fs, root):
+            return [url]
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise DurableError(f"{url} does not exist") from None
+    except NotADirectoryError:
+        raise DurableError(f"{url} is not a directory") from None
+    roots = []
+    for e in sorted(entries, key=lambda e: e["name"]):
+        if e.get("type") != "directory" or parse_step(e["name"]) is not None:
+            continue
+        name = posixpath.basename(e["name"].rstrip("/"))
+        try:
+            if step_dirs(fs, posixpath.join(root, name)):
+                roots.append(url.rstrip("/") + "/" + name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return roots
+
+
+def newest_checkpoint(urls: list[str], storage_options: dict | None = None
+                      ) -> CheckpointInfo | None:
+    """The newest valid checkpoint (by manifest time) under any of ``urls`` and their
+    immediate subdirectories (see :func:`find_roots`); ``None`` if there is none."""
+    best: CheckpointInfo | None = None
+    for url in urls:
+        try:
+            roots = find_roots(url, storage_options)
+        except DurableError:
+            continue
+        for root in roots:
+            info = latest_checkpoint(root, storage_options)
+            if info is None or info.manifest is None:
+                continue
+            if best is None or _created(info) > _created(best):
+                best = info
+    return best
+
+
+def _created(info: CheckpointInfo) -> float:
+    return (info.manifest.created_unix if info.manifest else 0.0) or info.mtime
+
+
 def list_checkpoints(url: str, storage_options: dict | None = None) -> list[CheckpointInfo]:
     """The valid checkpoints under ``url``, oldest first ([] if there is nothing yet)."""
     try:

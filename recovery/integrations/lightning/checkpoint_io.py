@@ -32,6 +32,7 @@ from recovery.integrations.lightning.state import (
     HPARAM_KEYS,
     LightningState,
     split_checkpoint,
+    to_plain_lightning,
 )
 from replication.codec import CodecError, encode
 from replication.config import PersistenceConfig
@@ -85,6 +86,7 @@ class CheckpointlessCheckpointIO(CheckpointIO):
         self.max_pending = max(1, max_pending)
         self.rng = rng
         self.rank, self.world_size = 0, 1
+        self.under_strategy = False  # set_world is only called by the strategy
         self.run_id: str | None = None
         self.flush_on_teardown = True
         self._pending: deque[tuple[str, Any, threading.Thread]] = deque()
@@ -94,6 +96,7 @@ class CheckpointlessCheckpointIO(CheckpointIO):
     def set_world(self, rank: int, world_size: int, run_id: str | None = None) -> None:
         """Every rank of ``world_size`` saves its own part (set by the strategy)."""
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self.under_strategy = True
 
     # -- save ---------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -109,8 +112,10 @@ class CheckpointlessCheckpointIO(CheckpointIO):
         meta = engine.seal(slot)
         self._make_room()
         cfg = PersistenceConfig(path=url, every_n_steps=1, keep_last=1, storage_options=opts)
+        # keep_last=1 with pruning: a path saved again (``last.ckpt``, a fixed filename)
+        # keeps only its newest complete step, as a file would be overwritten.
         writer = DurableWriter(cfg, self.rank, self.world_size, run_id=self.run_id,
-                               isolation="thread", staging=False, prune=False)
+                               isolation="thread", staging=False, prune=True)
         ticket = writer.submit(meta, slot.buffer)
 
         def finish() -> None:
@@ -168,8 +173,15 @@ class CheckpointlessCheckpointIO(CheckpointIO):
     # -- load ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint, _ = load_durable(str(path), self.rank, self.world_size,
-                                     self.storage_options)
+        url = str(path)
+        if url in (LATEST, MEMORY):
+            raise ValueError(
+                f"ckpt_path={url!r} needs Trainer(strategy='checkpointless'); with another "
+                "strategy pass a checkpoint path (`checkpointless ckpt latest DIR` prints "
+                "the newest one)")
+        checkpoint, _ = load_durable(url, self.rank, self.world_size, self.storage_options)
+        if not self.under_strategy:  # plain Lightning: no wrapped loaders, no deferred RNG
+            return to_plain_lightning(checkpoint)
         return checkpoint
 
     # -- remove -------------------------------------------------------------------------
@@ -271,31 +283,10 @@ def load_durable(
 def newest_durable(urls: list[str], storage_options: dict | None = None) -> str | None:
     """The newest valid checkpoint (by manifest time) among durable roots and their
     immediate subdirectories (``ModelCheckpoint`` directories hold one root per file)."""
-    from replication.durable import latest_checkpoint
+    from replication.durable import newest_checkpoint
 
-    best: tuple[float, str] | None = None
-    for url in urls:
-        candidates = [url]
-        try:
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-            if fs.isdir(root):
-                candidates += [
-                    _join(url, posixpath.basename(e.rstrip("/")))
-                    for e in fs.ls(root, detail=False) if fs.isdir(e)]
-        except (OSError, ValueError):
-            continue
-        for cand in candidates:
-            info = latest_checkpoint(cand, storage_options)
-            if info is None or info.manifest is None:
-                continue
-            ts = info.manifest.created_unix or info.mtime
-            if best is None or ts > best[0]:
-                best = (ts, info.url)
-    return best[1] if best else None
-
-
-def _join(url: str, name: str) -> str:
-    return url.rstrip("/") + "/" + name
+    info = newest_checkpoint(urls, storage_options)
+    return info.url if info is not None else None
 
 
 __all__ = ["LATEST", "MEMORY", "CheckpointlessCheckpointIO", "is_durable", "load_durable",

@@ -26,6 +26,12 @@ HPARAM_KEYS = frozenset({
     "datamodule_hyper_parameters", "datamodule_hparams_name", "datamodule_hparams_type",
 })
 
+#: Top-level keys the strategy adds to a snapshot's checkpoint, which plain Lightning does
+#: not know: module train/eval modes, the observed loop state (:mod:`.loop_state`,
+#: ``checkpointless_observed``), and the marker of per-rank RNG streams.
+MODES_KEY = "checkpointless_module_modes"
+RUNTIME_KEYS = (MODES_KEY, "checkpointless_observed", "__checkpointless_rng__")
+
 #: Which checkpoint keys go to which snapshot entry; everything else is "trainer".
 PARTS = {"model": ("state_dict",), "optimizer": ("optimizer_states", "lr_schedulers")}
 ENTRY_NAMES = ("model", "optimizer", "trainer")
@@ -40,6 +46,26 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
             continue
         parts[owner.get(key, "trainer")][key] = value
     return parts
+
+
+def to_plain_lightning(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint as plain Lightning expects it, without the strategy.
+
+    Drops the strategy's own keys (:data:`RUNTIME_KEYS`) and the training loaders' states:
+    the strategy wraps each training loader (:mod:`.data`) and saves its position, which
+    plain Lightning refuses for a loader that is not stateful ("The CombinedLoader has 0
+    stateful loaders, but found 1 states"). Plain Lightning then resumes as it does from
+    any mid-epoch checkpoint of a plain ``DataLoader``.
+    """
+    out = {k: v for k, v in checkpoint.items() if k not in RUNTIME_KEYS}
+    loops = out.get("loops")
+    if isinstance(loops, dict) and isinstance(loops.get("fit_loop"), dict):
+        fit = dict(loops["fit_loop"])
+        inner = fit.get("state_dict")
+        if isinstance(inner, dict) and "combined_loader" in inner:
+            fit["state_dict"] = {k: v for k, v in inner.items() if k != "combined_loader"}
+        out["loops"] = {**loops, "fit_loop": fit}
+    return out
 
 
 def check_encodable(checkpoint: dict[str, Any]) -> None:

@@ -50,13 +50,12 @@ from recovery.integrations.lightning.checkpoint_io import (
 from recovery.integrations.lightning.data import ResumableLoader
 from recovery.integrations.lightning.launcher import CheckpointlessLauncher
 from recovery.integrations.lightning.logger_gate import LoggerGate
-from recovery.integrations.lightning.state import LightningState
+from recovery.integrations.lightning.state import MODES_KEY, LightningState
 from recovery.settings import RuntimeSettings
 
 log = logging.getLogger("checkpointless.lightning")
 
 _DEFERRED_RNG = ("fetch", "train_start", "end")
-MODES_KEY = "checkpointless_module_modes"
 
 
 def settings_from(recipe: str | os.PathLike | None, overrides: Sequence[str]) -> RuntimeSettings:
