@@ -170,3 +170,23 @@ def test_ckpt_cli_says_what_is_wrong(tmp_path):
     assert empty.returncode == 2 and "no complete checkpoint" in empty.stderr, empty.stderr
     bad = _cli("ckpt", "export", "--lightning", str(tmp_path), str(tmp_path / "x.ckpt"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_persistence_cadence_is_honoured_with_validation(tmp_path):
+    """persistence.every_n_steps=2 with validation after every second step: a save at
+    every due step on every rank (none skipped: the writer's helper is warm before the
+    first save), except at epoch ends, which one warning names."""
+    persist = tmp_path / "persist"
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, script=SCRIPT, script_args=(),
+                  timeout_s=300, overrides=(*FAST, f"persistence.path={persist}",
+                                            "persistence.every_n_steps=2"))
+    assert_succeeded(job)
+    with open(persist / "checkpoint_history.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert not [r for r in rows if r["status"] != "ok"], rows
+    saved = {}
+    for r in rows:
+        saved.setdefault(int(r["step"]), set()).add(int(r["rank"]))
+    due = [s for s in range(2, STEPS + 1, 2) if s % 6 or s == STEPS]  # epochs end at 6, 12
+    assert sorted(saved) == due and all(v == {0, 1, 2, 3} for v in saved.values()), saved
+    assert job.output(200000).count("ends an epoch") == 1, job.output()

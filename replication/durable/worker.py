@@ -233,6 +233,24 @@ class ProcessBackend:
             return SaveResult(step, rank, FAILED,
                               error=f"writer helper process died (exit code {code}): {exc!r}")
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the helper is ready (it has imported torch and DCP), at most
+        ``timeout`` seconds; False if it is not (then the first save waits as before).
+        Call only while no save is in flight (the save path reads the same socket)."""
+        if self._ready:
+            return True
+        deadline = time.monotonic() + timeout
+        try:
+            while not self._poll_ready():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive:
+                    return False
+                assert self.conn is not None
+                self.conn.poll(min(left, 0.1))
+        except (EOFError, OSError):
+            return False
+        return True
+
     def _poll_ready(self) -> bool:
         """Handle what the helper has sent so far, without waiting; True once ready."""
         assert self.conn is not None

@@ -90,6 +90,8 @@ STAGE_CHUNK = 1 << 20  # copy-then-hash granularity: the chunk is hashed from L2
 # lengthens a save; submit(release_within_s=...) speeds it up when the caller needs its
 # buffer back sooner.
 STAGE_BYTES_PER_S = 1.5e9
+#: The longest a first save waits for the helper process to finish starting.
+WARM_UP_TIMEOUT_S = 60.0
 
 __all__ = ["DurableWriter", "PersistTicket", "SaveResult"]
 
@@ -197,6 +199,7 @@ class DurableWriter:
         self.stats = {OK: 0, SKIPPED: 0, FAILED: 0, EXISTS: 0, ABORTED: 0, "committed": 0}
         self._thread: threading.Thread | None = None
         self._backend = None
+        self.warm_up_s = 0.0  # what the first submit waited for the helper to be ready
         if not self.enabled:
             return
         self.settings = SaverSettings(
@@ -286,6 +289,7 @@ class DurableWriter:
         ):
             raise ValueError("submit needs the snapshot's contiguous host uint8 buffer "
                              f"of at least {meta.layout.nbytes} bytes")
+        self._warm_up()
         now = time.monotonic()
         if self.config.interval_s > 0:
             self._last_window = self._window(None)
@@ -308,6 +312,26 @@ class DurableWriter:
         self._log_skip(result)
         ticket._finish(result)
         return ticket
+
+    def _warm_up(self) -> None:
+        """Before the first save, wait for the helper process to be ready.
+
+        It has been starting since this writer was built (``import torch`` takes a second
+        or two on a small host). A first save queued behind a starting helper counts
+        that time as writing, and every save due meanwhile would be skipped as "storage
+        cannot keep up" although storage is fast: a short job then persisted almost
+        nothing. So the first submit waits, once, for what is left of the start-up.
+        """
+        backend = self._backend
+        if backend is None or backend.ever_ready or self._busy_step is not None:
+            return
+        t0 = time.monotonic()
+        ready = backend.wait_ready(WARM_UP_TIMEOUT_S)
+        self.warm_up_s = time.monotonic() - t0
+        if self.warm_up_s > 0.5 or not ready:
+            log.info("durable writer of rank %d waited %.1fs for its helper process before "
+                     "the first save%s", self.rank, self.warm_up_s,
+                     "" if ready else " (not ready yet; the save waits for it)")
 
     def _log_skip(self, result: SaveResult) -> None:
         self._skips_unlogged += 1
