@@ -276,6 +276,15 @@ def run_assigned(assignment: dict) -> None:
             return
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        from recovery import protocol, user_errors
+
+        # A script that exits non-zero before its first step (argparse's usage error,
+        # sys.exit("bad config")) would exit the same way in a replacement.
+        ours = (protocol.EXIT_FATAL, protocol.EXIT_FENCED)
+        if exc.code in (0, None) or exc.code in ours or user_errors.first_step_done():
+            raise
+        user_errors.stop_before_first_step(exc)
     except Exception as exc:
         from recovery import user_errors
         from recovery.errors import Fenced, RecoveryImpossible

@@ -69,6 +69,11 @@ def describe(exc: BaseException) -> str:
     """``ValueError: bad value (at train.py:12)``, on one line. ``-m`` with a module
     that does not exist is named by its cause, the ``ModuleNotFoundError``."""
     exc = _shown(exc)
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if isinstance(code, int):
+            return f"SystemExit({code}) (the lines above it say why)"
+        return f"SystemExit: {' '.join(str(code).split())[:300]}"
     text = " ".join(str(exc).split())[:300]
     at = where(exc)
     return f"{type(exc).__name__}{': ' + text if text else ''}{f' (at {at})' if at else ''}"
@@ -91,7 +96,7 @@ def stop_job(reason: str, exc: BaseException) -> bool:
         except Exception as store_exc:  # the job store is gone: say it here at least
             print(f"checkpointless: could not record the failure in the job store "
                   f"({store_exc})", file=sys.stderr, flush=True)
-    if first:
+    if first and not isinstance(exc, SystemExit):  # its message was printed already
         shown = _shown(exc)
         traceback.print_exception(shown, chain=shown is exc)
     print(f"checkpointless: {reason}" if first else

@@ -42,6 +42,21 @@ def test_an_import_error_stops_the_job_with_one_line(tmp_path):
     assert "job failed: rank" in text
 
 
+def test_a_usage_error_stops_the_job_with_one_line(tmp_path):
+    """argparse refuses an argument (SystemExit(2) before any step): one usage message
+    per rank, one line naming the exit, no retries."""
+    job = run_job(tmp_path / "run", nproc=2, script="tests/user_scripts/needs_args.py",
+                  script_args=("--no-such-flag",), timeout_s=60)
+    assert not job.timed_out, job.output()
+    assert job.returncodes[0] not in (0, None), job.returncodes
+    assert job.elapsed_s < 30, job.output()
+    assert len(job.events("worker_start")) == 2, "a worker was restarted"
+    text = _all_output(job)
+    assert "max_restarts" not in text and "Traceback" not in text, text[-3000:]
+    assert "unrecognized arguments: --no-such-flag" in text, text[-3000:]
+    assert "raised SystemExit(2) (the lines above it say why) before its first step" in text
+
+
 def test_a_missing_module_stops_the_job_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     cmd = agent_command(node_rank=0, nnodes=1, nproc=2, run_dir=run_dir, endpoint=None,
