@@ -89,7 +89,12 @@ BENCHES = {
                 "before issue 14). Quick runs in session 10: detect 0.02-0.32 s, "
                 "`lightning_recovery_over_restart` 0.15-0.23; most of the recovery is the "
                 "warm spare running the script up to `fit` (0.4-0.5 s, the survivor's "
-                "`rendezvous_join_s`).",
+                "`rendezvous_join_s`). Session 11 (issue 15: the observed loop state in "
+                "every snapshot, rank 0's logged rows held until their step commits), "
+                "three quick runs on an idle host: 0.11, 0.15 and 0.40 "
+                "(`lightning_recovery_s` 0.42, 0.58, 1.53 s; the 0.40 run's spare took "
+                "0.86 s to reach `fit`); detect 0.02-0.45 s. This job has no logger, so "
+                "the held rows are not in these figures.",
     },
     "bench_goodput": {
         "title": "Chaos soak: goodput under random failures (issue 7)",
