@@ -262,6 +262,10 @@ class _AssignmentWatch:
         return self._value
 
 
+#: The conventional exit status of a command-line usage error (argparse, getopt).
+USAGE_EXIT = 2
+
+
 def run_assigned(assignment: dict) -> None:
     """Run the rank's script as ``python [-m] SCRIPT ARGS`` would. An exception that
     escapes it before this process completed a training step (a bad import, a typo, a
@@ -277,12 +281,13 @@ def run_assigned(assignment: dict) -> None:
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
-        from recovery import protocol, user_errors
+        from recovery import user_errors
 
-        # A script that exits non-zero before its first step (argparse's usage error,
-        # sys.exit("bad config")) would exit the same way in a replacement.
-        ours = (protocol.EXIT_FATAL, protocol.EXIT_FENCED)
-        if exc.code in (0, None) or exc.code in ours or user_errors.first_step_done():
+        # A usage error (exit status 2: argparse, getopt) or an exit with a message
+        # (sys.exit("bad config")) before the first step would happen again in a
+        # replacement. Other codes keep torchrun's meaning: a crashed worker, replaced.
+        usage = exc.code == USAGE_EXIT or isinstance(exc.code, str)
+        if not usage or user_errors.first_step_done():
             raise
         user_errors.stop_before_first_step(exc)
     except Exception as exc:
