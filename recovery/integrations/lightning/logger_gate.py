@@ -116,10 +116,8 @@ class LoggerGate:
     def restore(self, saved: dict[str, Any], target: int) -> None:
         """After a recovery to ``target``: drop this attempt's rows, release the
         restored snapshot's rows that were not released yet."""
-        self._rows = []
-        rows = [(int(i), int(tag), dict(row), step) for i, tag, row, step in saved["rows"]
-                if int(tag) > self.released_through and int(i) < len(self._loggers)]
-        self._rows = rows
+        self._rows = [(int(i), int(tag), dict(row), step) for i, tag, row, step in saved["rows"]
+                      if int(tag) > self.released_through and int(i) < len(self._loggers)]
         self.release(target)
 
     # -- logger versions (called before Lightning resolves any log directory) ----------------

@@ -331,10 +331,9 @@ class CheckpointlessStrategy(DDPStrategy):
             persist_every = persist.every_n_steps if persist.path else 0
             on_cadence = g % every == 0 or (persist_every > 0 and g % persist_every == 0)
             due = g > self._snap_step and (on_cadence or self._snap_due_next)
-            if due and first:
+            if due and first:  # taken at the next boundary instead
                 self._warn_epoch_boundary(g, every)
-            elif due:
-                self._snap_due_next = False
+            self._snap_due_next = due and first
             self._end_step(trainer, g, due and not first, "fetch")
         session.begin_step(g + 1)
 
@@ -348,7 +347,6 @@ class CheckpointlessStrategy(DDPStrategy):
                 "without running on_train_epoch_start twice, so it is taken at the next step "
                 "(replication.every_n_steps=%d; persistence.every_n_steps saves due at "
                 "epoch ends are skipped; shown once)", step, every)
-        self._snap_due_next = True
 
     def _end_step(self, trainer: Any, step: int, snapshot: bool, at: str) -> None:
         if snapshot and self.gate.holding:
