@@ -37,7 +37,7 @@ from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
 from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
 from recovery.settings import RuntimeSettings
-from recovery.transfer import receive_state, send_state
+from recovery.transfer import receive_state, reseed_replicas, send_state
 from recovery.watchdog import Watchdog
 from replication.commit import UntrustedCommit, committed_step
 from replication.memory import MemoryBudgetError
@@ -621,6 +621,13 @@ class Checkpointless:
         lap("restore_s")
         rep.engine.protect(plan.target_step)
         rep.replicas.protect(plan.target_step)
+        if rep.config.factor > 1:
+            own = rep.engine.slot_for(plan.target_step)
+            own_meta = own.meta()
+            moved += reseed_replicas(
+                rep.channel, self.rank, rep.holders, rep.sources[self.rank], plan.target_step,
+                (own_meta, own.buffer[: own_meta.layout.nbytes]), rep.replicas, chunk)
+            lap("reseed_s")
         rep.channel.barrier()
         lap("barrier_s")
         self._transfer_parts = {k: round(v, 4) for k, v in parts.items()}

@@ -8,10 +8,11 @@ before a byte of it reaches the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+from replication.replicas import ReplicaStore
 from replication.snapshot import SnapshotMeta, verify_segments
 from replication.transport import SideChannel
 
@@ -24,14 +25,22 @@ def send_state(
     channel: SideChannel, dst: int, meta: SnapshotMeta, buffer: torch.Tensor, chunk_bytes: int
 ) -> int:
     """Send a verified snapshot to ``dst``; returns the bytes sent."""
+    channel.wait(post_state(channel, dst, meta, buffer, chunk_bytes),
+                 f"state transfer to rank {dst}")
+    return buffer.numel()
+
+
+def post_state(
+    channel: SideChannel, dst: int, meta: SnapshotMeta, buffer: torch.Tensor, chunk_bytes: int
+) -> list:
+    """Post the sends of a snapshot to ``dst`` without waiting; returns the works."""
     raw = meta.to_bytes()
     header = torch.tensor([len(raw), buffer.numel()], dtype=torch.int64)
     meta_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     works = channel.post_send(header, dst, _HEADER_TAG, 1 << 30)
     works += channel.post_send(meta_t, dst, _META_TAG, len(raw))
     works += channel.post_send(buffer, dst, _DATA_TAG, chunk_bytes)
-    channel.wait(works, f"state transfer to rank {dst}")
-    return buffer.numel()
+    return works
 
 
 def receive_state(
@@ -55,3 +64,53 @@ def receive_state(
     if into is None:
         verify_segments(buffer, meta)
     return meta, buffer
+
+
+def reseed_replicas(
+    channel: SideChannel, rank: int, holders: Sequence[Sequence[int]],
+    sources: Sequence[int], step: int, own: tuple[SnapshotMeta, torch.Tensor],
+    replicas: ReplicaStore, chunk_bytes: int,
+) -> int:
+    """Give every holder that lacks it a full replica of ``step``; returns bytes moved.
+
+    A newcomer starts with no replicas, and a takeover can move the placement. Without
+    this, the states such a holder should keep a copy of exist once (in their own rank)
+    until the next round commits, and a second failure in that window is unrecoverable:
+    a rank killed in the first step after a recovery whose replica holder was the first
+    victim stopped the job. Every rank learns who holds what from one allgather, so all
+    of them agree on the sends; each source posts its own snapshot of ``step`` to each
+    holder missing it, then receives what it lacks itself (sends first: no deadlock).
+    Runs inside a recovery, before the generation's barrier, with nothing else in flight
+    on ``channel``, so the tags of :func:`send_state` are free.
+    """
+    world = len(holders)
+    mine = torch.tensor([int(replicas.holds(src, step)) for src in range(world)],
+                        dtype=torch.int64)
+    held = [t.tolist() for t in channel.allgather(mine)]
+    meta, buffer = own
+    works: list = []
+    moved = 0
+    for h in holders[rank]:
+        if h != rank and not held[h][rank]:
+            works += post_state(channel, h, meta, buffer, chunk_bytes)
+            moved += buffer.numel()
+    for src in sources:
+        if src == rank or held[rank][src]:
+            continue
+        slot = None
+
+        def into(m: SnapshotMeta, src: int = src) -> torch.Tensor:
+            nonlocal slot
+            slot = replicas.writable(src, m.layout.nbytes)
+            assert slot.buffer is not None
+            return slot.buffer
+
+        got, buf = receive_state(channel, src, chunk_bytes, into=into)
+        if got.step != step:
+            raise ValueError(f"rank {src} sent its state of step {got.step}, expected {step}")
+        verify_segments(buf, got)
+        assert slot is not None
+        replicas.adopt(slot, got)
+        moved += buf.numel()
+    channel.wait(works, "replica reseed")
+    return moved

@@ -67,6 +67,15 @@ class ReplicaStore:
         held = sorted(s.step for s in self._slots.get(src, []) if s.complete)
         raise KeyError(f"no replica of rank {src} at step {step} (holding steps {held})")
 
+    def holds(self, src: int, step: int) -> bool:
+        """Whether a complete replica of ``src`` at ``step`` is held here."""
+        return any(s.step == step and s.complete for s in self._slots.get(src, []))
+
+    def adopt(self, slot: ReplicaSlot, meta: SnapshotMeta) -> None:
+        """Mark ``slot`` (from :meth:`writable`, its bytes received and verified) as
+        holding ``meta``'s step in full, with no segment shared with the local snapshot."""
+        slot.meta, slot.shared, slot.step = meta, frozenset(), meta.step
+
     def held_steps(self) -> dict[int, list[int]]:
         """Source rank -> the steps of its complete replicas held here."""
         return {

@@ -91,6 +91,49 @@ def test_a_kill_in_the_first_step_after_a_recovery(tmp_path, reference, second):
     assert_same_final(reference, job)
 
 
+def _kill_when_recovered(victim: int):
+    """A ``during`` hook: SIGKILL ``victim`` the moment its first ``recovery`` event is
+    written (milliseconds after the recovery, before the next round can commit)."""
+    def hook(run_dir: Path) -> None:
+        events = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            evs = read_events(events) if events.exists() else []
+            if any(e["event"] == "recovery" and e["rank"] == victim for e in evs):
+                pid = [e["pid"] for e in evs
+                       if e["event"] == "worker_start" and e["rank"] == victim][-1]
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.002)
+        raise AssertionError("the first recovery never happened")
+    return hook
+
+
+def test_a_kill_of_a_rank_whose_replica_holder_was_replaced(tmp_path, reference):
+    """Rank 1 holds rank 3's replica (2 nodes x 2, k=2). Rank 1 dies; rank 3 dies right
+    after the recovery, before any new round commits. Rank 3's state at the target step
+    then lives only in rank 1's replacement, which must have received it during the
+    recovery (replicas reseeded): without that the state had a single copy and the job
+    stopped with 'no surviving copy' (seen once in the full suite)."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, timeout_s=150,
+                  overrides=[f"recovery.fault={FIRST_KILL}", *FAST],
+                  during=_kill_when_recovered(3))
+    assert_succeeded(job)
+    targets = {e["gen"]: e["target_step"] for e in job.events("recovery")}
+    gens = sorted(targets)
+    assert len(gens) >= 2, f"rank 3's death was not recovered from: {targets}"
+    assert targets[gens[-1]] == targets[gens[0]], (
+        f"a round committed between the two failures ({targets}): the window this test "
+        "is about was not hit")
+    reseeded = [e for e in job.events("recovery")
+                if e["gen"] == gens[0] and e["rank"] == 1 and "reseed_s" in e["transfer_parts"]]
+    assert reseeded, "the replacement of rank 1 received no replicas in the recovery"
+    for gen in gens:
+        joined = sorted(e["rank"] for e in job.events("recovery") if e["gen"] == gen)
+        assert joined == [0, 1, 2, 3], f"generation {gen} completed with ranks {joined}"
+    assert_same_final(reference, job)
+
+
 def _kill_after_resume(victim: int, delay_s: float):
     """A ``during`` hook: once the first recovery resumed, wait ``delay_s`` and SIGKILL
     ``victim``'s process (its pid from the agent's ``worker_start`` events)."""
