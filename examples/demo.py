@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from launcher.local_cluster import LocalCluster
+from launcher.report.model import PHASE_LABELS, PHASES, build_run
 from recovery.protocol import read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,9 +34,6 @@ SHOWN = {
     "replacement_assigned": lambda e: f"rank {e['rank']} handed to "
     f"{'a warm spare' if e.get('spare') else 'a new process'} (pid {e['pid']})",
     "node_takeover": lambda e: f"node {e.get('node')} took over ranks {e.get('ranks')}",
-    "recovery": lambda e: "recovered: generation {gen}, rolled back to step {target_step}, "
-    "state sent to ranks {newcomers} ({mb:.1f} MB)".format(
-        mb=e["bytes_transferred"] / 1e6, **e),
     "resumed": lambda e: f"training resumed: step {e['step']} done",
     "job_done": lambda e: "job done",
 }
@@ -72,7 +70,7 @@ def print_timeline(run_dir: Path) -> None:
         fmt = SHOWN.get(e["event"])
         if fmt is None:
             continue
-        if e["event"] in ("recovery", "resumed"):  # one line per generation
+        if e["event"] == "resumed":  # one line per generation
             key = (e["event"], e["gen"])
             if key in seen_recovery:
                 continue
@@ -82,16 +80,14 @@ def print_timeline(run_dir: Path) -> None:
         except KeyError:
             text = e["event"]
         print(f"  {e['ts'] - t0:8.3f}s  {e['source']:>7}  {text}")
-    print("\nRecovery phases (per generation, worst rank):")
-    by_gen: dict[int, dict[str, float]] = {}
-    for e in events:
-        if e["event"] == "recovery":
-            cur = by_gen.setdefault(e["gen"], {})
-            for k, v in e["timings"].items():
-                cur[k] = max(cur.get(k, 0.0), v)
-    for gen, t in sorted(by_gen.items()):
-        parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in t.items())
-        print(f"  generation {gen}: {parts}")
+    # The same model as `checkpointless report` (launcher/report/model.py): one line per
+    # failure, its generations folded in, the critical rank's phases adding up to it.
+    print("\nRecoveries (as `checkpointless report` counts them):")
+    for f in build_run(events).recoveries:
+        parts = ", ".join(f"{PHASE_LABELS[p]} {f.phases.get(p, 0.0):.3f}s" for p in PHASES)
+        print(f"  generation {f.gens_text}: {'; '.join(f.what)}")
+        print(f"    rolled back to step {f.target_step}, state sent to ranks {f.newcomers} "
+              f"({f.bytes_transferred / 1e6:.2f} MB); {parts}; total {f.recovery_s:.3f}s")
 
 
 def main() -> None:

@@ -348,12 +348,12 @@ class Agent:
             return False
         cause = {**cause, "ts": cause.get("ts", time.time())}  # workers time detect from it
         gen = protocol.declare_failure(self.store, observed_gen, cause)
-        count = protocol.recoveries(self.store)
         self._emit("failure_declared", gen=gen, observed_gen=observed_gen, cause=cause,
-                   recoveries=count)
-        if count > self.rcfg.max_restarts:
-            protocol.set_fatal(self.store, f"recovery.max_restarts={self.rcfg.max_restarts} "
-                               f"exceeded ({count} recoveries; last: {what})")
+                   recoveries=protocol.recoveries(self.store),
+                   failures=protocol.failures(self.store))
+        over = protocol.restart_budget_exceeded(self.store, self.rcfg.max_restarts)
+        if over is not None:
+            protocol.set_fatal(self.store, f"{over}; last: {what}")
             return False
         return True
 
@@ -393,15 +393,22 @@ class Agent:
             silent = self.watch.silent_for(lost)
             self._emit("node_lost", lost_node=lost, groups=groups, ranks=ranks,
                        silent_s=round(silent, 3))
-            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; ranks {ranks})")
+            held = f"ranks {ranks}" if ranks else "its ranks already run on another node"
+            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; {held})")
             observed = protocol.generation_of_node(self.store, ranks, lost,
                                                    self.watch.gen_alive(lost, gen))
             for g in groups:
                 self.lost_groups[g] = _LostGroup(lost, time.monotonic(), observed)
                 if self.group is not None:  # active agents declare too; it dedupes
-                    cause = {"kind": "node_lost", "node": lost, "group": g,
-                             "ranks": self._ranks(g)}
+                    cause = self._node_lost_cause(lost, g)
                     self._declare(observed, cause)
+
+    def _node_lost_cause(self, node: int, group: int) -> dict[str, Any]:
+        """The cause of a node loss; its agent's pid makes every declarer of the same
+        loss (its watchers, the spare node taking over) count one failure."""
+        info = rdzv.agent_info(self.store, node) or {}
+        return {"kind": "node_lost", "node": node, "group": group,
+                "ranks": self._ranks(group), "agent_pid": info.get("pid")}
 
     def _settle_lost_groups(self, gen: int) -> None:
         """Take over a lost group if idle; keep it where its node came back before
@@ -439,7 +446,7 @@ class Agent:
         ranks = self._ranks(group)
         self._emit("node_takeover", lost_node=lost.lost_node, group=group, ranks=ranks)
         self._log(f"taking over ranks {ranks} of lost node {lost.lost_node}")
-        cause = {"kind": "node_lost", "node": lost.lost_node, "group": group, "ranks": ranks}
+        cause = self._node_lost_cause(lost.lost_node, group)
         # A fresh generation, never a dedupe into the one the loss started: a node that
         # was only slow may have had its workers join that one already. They fence
         # themselves in the new one (the owner record changed first), which the
@@ -489,12 +496,14 @@ class Agent:
     def _done(self) -> int:
         self._stop_local()
         recoveries = protocol.recoveries(self.store)
+        failures = protocol.failures(self.store)
         step = rdzv.committed_step(self.store)
-        self._emit("job_done", recoveries=recoveries, committed_step=step)
+        self._emit("job_done", recoveries=recoveries, failures=failures, committed_step=step)
         self._mark_finished()
         step_text = f", committed step {step}" if step is not None else ""
-        self._log(f"job done: {self.args.world_size} ranks finished, recoveries: {recoveries}"
-                  f"{step_text}; run dir {self.run_dir}")
+        gens = f" in {recoveries} generations" if recoveries != failures else ""
+        self._log(f"job done: {self.args.world_size} ranks finished, failures recovered: "
+                  f"{failures}{gens}{step_text}; run dir {self.run_dir}")
         self._linger(LINGER_S)
         return 0
 

@@ -110,8 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "master-port", dest="master_port", type=int, default=DEFAULT_MASTER_PORT,
           metavar="PORT", help=f"store port without --rdzv-endpoint ({DEFAULT_MASTER_PORT})")
     _flag(parser, "max-restarts", dest="max_restarts", type=int, default=None, metavar="N",
-          help="in-process recoveries allowed (recovery.max_restarts, unless the recipe, "
-          "env or an override sets it)")
+          help="failures recovered in-process before the job stops (recovery.max_restarts, "
+          "unless the recipe, env or an override sets it)")
     _flag(parser, "monitor-interval", dest="monitor_interval", type=float, default=0.05,
           metavar="SECONDS", help="how often the agent polls its workers (default 0.05)")
     _flag(parser, "standalone", action="store_true",

@@ -14,7 +14,7 @@ class RecoveryConfig:
 
     enabled: bool = field(default=True, metadata={"help": "recover in-process on failure"})
     max_restarts: int = field(
-        default=10, metadata={"help": "in-process recoveries allowed before giving up", "min": 0}
+        default=10, metadata={"help": "failures recovered in-process before giving up", "min": 0}
     )
     heartbeat_interval_s: float = field(
         default=1.0, metadata={"help": "worker heartbeat period", "min": 0.05}

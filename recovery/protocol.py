@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -166,6 +167,7 @@ def declare_failure(
     deadline = time.monotonic() + timeout_s
     while True:
         auth.claim(store, cause_key(nxt), payload)
+        count_failure(store, observed_gen, cause)
         gen = current_generation(store)
         if gen > observed_gen:
             return gen
@@ -211,8 +213,76 @@ def _newest_joined(store: dist.Store, ranks: list[int], ours: Callable[[JoinReco
 
 
 def recoveries(store: dist.Store) -> int:
-    """Recoveries so far: each generation after 0 is one."""
+    """Generations after 0 so far (one failure can take several: see :func:`failures`)."""
     return current_generation(store)
+
+
+#: Causes that are consequences of another failure: a survivor's failed collective, a
+#: rank whose recovery broke because another failure came. They make generations but
+#: are not failures of their own; the agent declares the process or node behind them.
+CONSEQUENTIAL_CAUSES = frozenset({"peer_failure", "failure_during_recovery", "replacement"})
+#: A job whose generations outrun its failures this much is not converging (say, a
+#: partition that only ever shows as peer failures); it stops instead of looping.
+GENERATIONS_PER_FAILURE = 4
+
+
+def failure_identity(observed_gen: int, cause: dict[str, Any]) -> str | None:
+    """What one failure is, whoever declares it; ``None`` for a consequence.
+
+    A process dies once (rank and pid); a node is lost once per agent process (its
+    watchers and the spare node that takes it over declare the same loss); an
+    exception is one rank's, in the generation it ran in.
+    """
+    kind = cause.get("kind")
+    if kind in CONSEQUENTIAL_CAUSES or kind is None:
+        return None
+    if kind in ("worker_exit", "worker_hung"):
+        return f"process-{cause.get('rank')}-{cause.get('pid')}"
+    if kind == "node_lost":
+        return f"node-{cause.get('node')}-{cause.get('agent_pid')}"
+    if kind == "exception":
+        return f"exception-{cause.get('rank')}-g{observed_gen}"
+    return f"{kind}-{cause.get('rank')}-g{observed_gen}"
+
+
+def failure_key(n: int) -> str:
+    return f"{PREFIX}/failures/{n}"
+
+
+def count_failure(store: dist.Store, observed_gen: int, cause: dict[str, Any]) -> int:
+    """Count the failure behind ``cause`` once, however many declare it; returns the
+    failures so far. ``recovery.max_restarts`` is checked against this, not against
+    generations: one node loss took 3 generations and was counted as 3 recoveries."""
+    ident = failure_identity(observed_gen, cause)
+    # Seals are deterministic, so a claim with the same payload as the winner's would
+    # read as won: each claimer's payload is its own.
+    mine = f"{os.getpid()}-{uuid.uuid4().hex}"
+    if ident is not None and auth.claim(store, f"{PREFIX}/failure_id/{ident}", mine)[0]:
+        n = failures(store) + 1
+        while not auth.claim(store, failure_key(n), ident)[0]:
+            n += 1
+    return failures(store)
+
+
+def failures(store: dist.Store) -> int:
+    """Distinct failures so far: the length of the sealed chain of failure records."""
+    n = 0
+    while auth.read(store, failure_key(n + 1)) is not None:
+        n += 1
+    return n
+
+
+def restart_budget_exceeded(store: dist.Store, max_restarts: int) -> str | None:
+    """Why the job must stop for ``recovery.max_restarts``, or ``None``."""
+    count, gens = failures(store), current_generation(store)
+    if count > max_restarts:
+        noun = "failure" if count == 1 else "failures"
+        return f"recovery.max_restarts={max_restarts} exceeded ({count} {noun})"
+    if gens > GENERATIONS_PER_FAILURE * (max_restarts + 1):
+        return (f"recovery is not converging: {gens} generations for {count} failures "
+                f"(more than {GENERATIONS_PER_FAILURE} per failure allowed by "
+                f"recovery.max_restarts={max_restarts})")
+    return None
 
 
 def read_json(store: dist.Store, key: str) -> Any:

@@ -449,8 +449,9 @@ class Checkpointless:
         t_abort = time.time()
         while True:
             # Checked on every pass: failures during a recovery make generations too.
-            if protocol.recoveries(self.store) > rec.max_restarts:
-                self._fatal(f"recovery.max_restarts={rec.max_restarts} exceeded")
+            over = protocol.restart_budget_exceeded(self.store, rec.max_restarts)
+            if over is not None:
+                self._fatal(over)
             gen = protocol.current_generation(self.store)
             self.watchdog.generation = gen
             try:

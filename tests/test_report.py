@@ -81,25 +81,45 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_model_counts_generations_and_phases():
+def test_model_folds_a_failure_during_recovery_into_one_episode():
     run = build_run(_events())
     assert run.world_size == 2 and run.agents == [0] and run.final_step == 8
-    assert [f.gen for f in run.failures] == [1, 2]
-    first, second = run.failures
-    assert first.what == ["rank 1 on node 0 was killed by SIGKILL"]
-    assert first.faults == ["1:6:forward:sigkill"]
-    assert not first.recovered and "superseded by generation 2" in first.outcome
-    assert first.replacements == ["rank 1 -> a warm spare (pid 3)"]
-    assert second.recovered and second.target_step == 4 and second.critical_rank == 1
-    assert second.newcomers == [1] and second.bytes_transferred == 5000
+    # generation 1 was superseded before anyone resumed: one failure, generations 1-2
+    assert [f.gen for f in run.failures] == [2]
+    (failure,) = run.failures
+    assert failure.superseded == [1] and failure.gens_text == "1-2"
+    assert failure.what == ["rank 1 on node 0 was killed by SIGKILL",
+                            "failure during recovery, seen by rank 0: boom"]
+    assert failure.faults == ["1:6:forward:sigkill"]
+    assert failure.replacements == ["rank 1 -> a warm spare (pid 3)"]
+    assert failure.recovered and failure.target_step == 4 and failure.critical_rank == 1
+    assert failure.newcomers == [1] and failure.bytes_transferred == 5000
     # steps 1..5 were done before the failure was detected; the job went back to 4
-    assert second.steps_lost == 1
-    # the phases of the last rank to recover add up to failure -> first step after it
-    assert second.recovery_s == pytest.approx(3.3 - 2.5)
-    assert sum(second.phases.values()) == pytest.approx(second.recovery_s)
+    assert failure.steps_lost == 1
+    # from the fault (1.95) to the first step after the recovery (3.3)
+    assert failure.recovery_s == pytest.approx(3.3 - 1.95)
+    # the critical rank's phases: disjoint intervals that add up to the recovery time
+    assert failure.phases == pytest.approx({
+        "detect_s": 2.84 - 1.95, "abort_s": 0.01, "rendezvous_s": 0.2, "transfer_s": 0.05,
+        "first_step_s": 0.2})
+    assert sum(failure.phases.values()) == pytest.approx(failure.recovery_s)
     assert len(run.replications) == 5 and run.outcome == "completed"
     failure_marks = [label for _, lane, label in run.marks if lane == "failures"]
     assert failure_marks == ["fault 1:6:forward:sigkill", "rank 1 SIGKILL"]
+
+
+def test_phases_of_a_rank_that_noticed_before_the_episode_start_at_it():
+    """A rank whose own detect and abort predate the failure time (it noticed an earlier
+    generation's failure) must not stretch the bar past the recovery time."""
+    ev = _events()
+    for e in ev:
+        if e["event"] == "recovery":
+            e["timings"] = {"detect_s": 0.0, "abort_s": 0.01, "rendezvous_s": 2.0,
+                            "transfer_s": 0.05}
+    run = build_run(ev)
+    (failure,) = run.failures
+    assert failure.phases["detect_s"] == 0.0 and failure.phases["abort_s"] == 0.0
+    assert sum(failure.phases.values()) == pytest.approx(failure.recovery_s)
 
 
 def test_report_of_handmade_run(tmp_path, capsys):
@@ -108,7 +128,8 @@ def test_report_of_handmade_run(tmp_path, capsys):
     assert code == 0, err
     page = (run_dir / "report.html").read_text()
     assert "rank 1 on node 0 was killed by SIGKILL" in page
-    assert "superseded by generation 2" in page
+    assert "failure during recovery, seen by rank 0: boom" in page
+    assert "<td>1-2</td>" in page
     assert "persistence.path was not set" in page
     assert f"wrote {run_dir / 'report.html'}" in out
     assert "read 23 events" in err and "drawing" in err

@@ -134,7 +134,7 @@ def _failures(run: Run) -> str:
             what += "<br><small>injected: " + esc(", ".join(f.faults)) + "</small>"
         outcome = "recovered" + (" from durable storage" if f.via == "durable" else "")
         rows.append([
-            esc(f.gen), esc(f"+{f.failed_at - run.t0:.2f} s"), what,
+            esc(f.gens_text), esc(f"+{f.failed_at - run.t0:.2f} s"), what,
             esc(outcome if f.recovered else f.outcome),
             esc(f.target_step if f.target_step is not None else "-"), esc(f.steps_lost),
             esc(secs(f.recovery_s)), "<br>".join(esc(r) for r in f.replacements) or "-",
@@ -142,9 +142,12 @@ def _failures(run: Run) -> str:
     head = ("gen", "at", "failure", "outcome", "rolled back to step", "steps lost",
             "recovery time", "replacement")
     return ("<h2>Failures</h2>" + table(head, rows, numeric=(1, 4, 5, 6), ident="failures")
-            + '<p class="note">One row per generation: every detector of one failure agrees '
-            "on one new generation. Recovery time runs from the failure (the injected fault, "
-            "else its first detection) to the first step completed after the recovery.</p>")
+            + '<p class="note">One row per failure: every detector of one failure agrees '
+            "on one new generation, and generations superseded before training resumed (a "
+            "failure during the recovery, a spare node taking a lost node over) are folded "
+            "into the row of the recovery that ended them. Recovery time runs from the "
+            "failure (the injected fault, else its first detection) to the first step "
+            "completed after the recovery.</p>")
 
 
 def _figure(title: str, uri: str | None, caption: str) -> str:
@@ -159,7 +162,7 @@ def _phases(run: Run, uri: str | None) -> str:
         return "<h2>Recovery phases</h2><p class=\"note\">No recovery in this run.</p>"
     head = ("gen", *(PHASE_LABELS[p] for p in PHASES), "total", "critical rank",
             "newcomers", "bytes to newcomers")
-    rows = [[esc(f.gen), *(esc(secs(f.phases.get(p))) for p in PHASES),
+    rows = [[esc(f.gens_text), *(esc(secs(f.phases.get(p))) for p in PHASES),
              esc(secs(f.recovery_s)), esc(f.critical_rank), esc(f.newcomers or "-"),
              esc(size(f.bytes_transferred))] for f in run.recoveries]
     img = f'<img src="{uri}" alt="recovery phases">' if uri else ""

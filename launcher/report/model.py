@@ -1,16 +1,21 @@
 """Turn a run's events into what the report shows: failures, recoveries, steps, summary.
 
-One *failure* is one generation: every detector of the same failure dedupes into one
-generation (``recovery.protocol.declare_failure``), so a generation is the honest unit
-to count. For each generation this module gathers every piece of evidence (the agents'
-declared causes, injected faults, the workers' ``recovery`` and ``resumed`` events) and
-derives:
+One *failure* is one episode: from a failure until training resumes. Every detector of
+the same failure dedupes into one generation (``recovery.protocol.declare_failure``),
+and generations superseded before anyone resumed (a failure during the recovery, a
+spare node taking a lost node's ranks over) are folded into the episode that ended in
+a recovery, so a node loss is one failure however many generations it took. For each
+episode this module gathers every piece of evidence (the agents' declared causes,
+injected faults, the workers' ``recovery`` and ``resumed`` events) and derives:
 
-* the failure time: the injected fault when there is one, else the first detection;
+* the failure time: the first injected fault when there is one, else the first
+  detection;
 * the recovery phases of the *critical* rank, the one that finished recovering last:
-  detect (failure -> that rank noticed it), abort, rendezvous, transfer (its own
-  ``timings``), then the first step completed after it; they add up to the failure's
-  recovery time (failure -> first step done after it);
+  detect (failure -> that rank noticed it), abort, rendezvous, transfer, first step.
+  They are the intervals between that rank's own timestamps (rebuilt from its
+  ``recovered_at`` and ``timings``), clipped to the episode, so they are disjoint and
+  add up to the recovery time (failure -> first step done after it); a rank that
+  noticed before the episode's failure time (an earlier generation's) starts at it;
 * the steps lost: the newest step rank 0 completed before the failure minus the step
   the job rolled back to (work done again).
 """
@@ -48,6 +53,14 @@ class Failure:
     bytes_transferred: int = 0
     via: str = "memory"  # or "durable" (every in-memory copy was lost)
     outcome: str = "recovered"
+    superseded: list[int] = field(default_factory=list)  # generations folded into this one
+    # the critical rank's detect, abort, rendezvous-end and recovered times (absolute)
+    marks: tuple[float, float, float, float] | None = None
+
+    @property
+    def gens_text(self) -> str:
+        """The generation, or the range this episode spans ("1-3")."""
+        return f"{self.superseded[0]}-{self.gen}" if self.superseded else str(self.gen)
 
     @property
     def recovered(self) -> bool:
@@ -201,10 +214,10 @@ def _failures(by: dict[str, list[dict[str, Any]]],
             f.steps_lost = max(f.steps_lost, int(e.get("steps_lost") or 0))
     ordered = sorted(gens.values(), key=lambda f: f.gen)
     _assign_faults(ordered, by.get("fault_injected", []))
+    ordered = _fold_superseded(ordered)
     for f in ordered:
         f.failed_at = min([f.detected_at, *f.fault_times])
-        if f.phases:  # the time before anyone noticed is part of detecting it
-            f.phases["detect_s"] += f.detected_at - f.failed_at
+        _clip_phases(f)
         if not f.what and f.faults:
             f.what.append(f"injected fault {f.faults[0]}")
         before = [s for ts, s, _ in steps if ts <= f.detected_at]
@@ -227,17 +240,54 @@ def _fill_recovery(f: Failure, recs: list[dict[str, Any]],
     f.critical_rank = last.get("rank")
     f.target_step = int(last.get("target_step", -1))
     timings = last.get("timings") or {}
-    f.phases = {k: float(timings.get(k, 0.0)) for k in PHASES[:-1]}
+    t_pg = f.recovered_at - float(timings.get("transfer_s", 0.0))
+    t_abort = t_pg - float(timings.get("rendezvous_s", 0.0))
+    f.marks = (t_abort - float(timings.get("abort_s", 0.0)), t_abort, t_pg, f.recovered_at)
     f.newcomers = sorted({int(r) for e in recs for r in e.get("newcomers") or []})
     f.bytes_transferred = sum(int(e.get("bytes_transferred") or 0) for e in recs
                               if e.get("newcomer"))
     resumed = [e for e in by.get("resumed", []) if e.get("gen") == f.gen]
     if resumed:
         f.resumed_at = max(float(e["ts"]) for e in resumed)
-        f.phases["first_step_s"] = max(0.0, f.resumed_at - f.recovered_at)
     for e in by.get("node_takeover", []):
         if f.detected_at - 1 <= float(e["ts"]) <= f.recovered_at:
             _add(f.replacements, f"ranks {e.get('ranks')} -> node {e.get('node')}")
+
+
+def _fold_superseded(ordered: list[Failure]) -> list[Failure]:
+    """Fold each generation nobody recovered in, followed by another, into the next one:
+    one episode from the first failure to the recovery that ended it."""
+    out: list[Failure] = []
+    carry: Failure | None = None
+    for i, f in enumerate(ordered):
+        if carry is not None:
+            f.what[:] = carry.what + [w for w in f.what if w not in carry.what]
+            f.replacements[:] = carry.replacements + [
+                r for r in f.replacements if r not in carry.replacements]
+            f.faults[:0] = [x for x in carry.faults if x not in f.faults]
+            f.fault_times[:0] = carry.fault_times
+            f.detected_at = min(f.detected_at, carry.detected_at)
+            f.superseded = [*carry.superseded, carry.gen]
+            carry = None
+        if not f.recovered and i + 1 < len(ordered):
+            carry = f
+            continue
+        out.append(f)
+    return out
+
+
+def _clip_phases(f: Failure) -> None:
+    """The critical rank's phases as disjoint intervals from the failure to the first
+    step after the recovery (see the module docstring)."""
+    if f.marks is None:
+        return
+    end = f.resumed_at if f.resumed_at is not None else f.marks[-1]
+    bounds, prev = [], f.failed_at
+    for t in (*f.marks, end):
+        prev = max(prev, t)
+        bounds.append(prev)
+    starts = [f.failed_at, *bounds[:-1]]
+    f.phases = {k: round(b - a, 6) for k, a, b in zip(PHASES, starts, bounds)}
 
 
 def _assign_faults(ordered: list[Failure], faults: list[dict[str, Any]]) -> None:

@@ -161,7 +161,7 @@ def recovery_phases(run: Run) -> bytes | None:
             left += width
         ax.text(left, i, f" {left:.2f} s", va="center", fontsize=8)
         what = (f.what or ["?"])[0]
-        labels.append(f"gen {f.gen}: {what[:45]}")
+        labels.append(f"gen {f.gens_text}: {what[:45]}")
     ax.set_yticks(range(len(recs)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (failure -> first step completed after the recovery)")
