@@ -171,7 +171,8 @@ class Agent:
     def _connect(self) -> None:
         a = self.args
         auth.set_reporter(self._on_auth_rejected)  # values that fail the job-key check
-        self.job_store = rdzv.open_job_store(a, self.run_dir, lambda: self._signal is not None)
+        self.job_store = rdzv.open_job_store(a, self.run_dir, lambda: self._signal is not None,
+                                             self._log)
         self.store, port = self.job_store.store, self.job_store.port
         self.cfg.run_dir = self.run_dir
         self.cfg.recovery.events_file = self.events.path

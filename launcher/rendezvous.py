@@ -106,7 +106,8 @@ class JobStore:
                 os.unlink(self.shared_secret_file)
 
 
-def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool]) -> JobStore:
+def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
+                   say: Callable[[str], None] = lambda _m: None) -> JobStore:
     """Host (node 0) or join the job store, with the job key installed for this process.
 
     The secret comes from ``args`` (``run_args.prepare``); without one, node 0 generates
@@ -126,7 +127,7 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool])
         signing.install(job_secret.signer_for(secret, args.rdzv_id))
         store = host_store(args.host, args.port, plan.address)
         return JobStore(store, store.port, signing.process_signer(), plan, shared)
-    store = connect_store(args.host, args.port, args.join_timeout_s, should_stop)
+    store = connect_store(args.host, args.port, args.join_timeout_s, should_stop, say)
     if secret is None:
         try:
             secret = job_secret.read_shared(run_dir, should_stop=should_stop)
@@ -137,33 +138,117 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool])
     return JobStore(store, args.port, signing.process_signer(), plan)
 
 
+#: How often a joining agent says it is still waiting for the job store.
+WAIT_REPORT_S = 5.0
+#: How long a port that accepts connections may take to answer as a c10d store.
+HANDSHAKE_S = 10.0
+
+
 def connect_store(
-    host: str, port: int, timeout_s: float, should_stop: Callable[[], bool] = lambda: False
+    host: str, port: int, timeout_s: float, should_stop: Callable[[], bool] = lambda: False,
+    say: Callable[[str], None] = lambda _m: None,
 ) -> dist.TCPStore:
     """Connect as a client, waiting up to ``timeout_s`` for node 0 to start its store.
 
     The wait probes the port with plain sockets first: that is quiet (c10d logs every
-    failed attempt with a stack trace) and can be interrupted between probes by
-    ``should_stop`` (a signal), where a blocking c10d connect could not.
+    failed attempt with a stack trace), says every few seconds what it waits for, and
+    can be interrupted between probes by ``should_stop`` (a signal), where a blocking
+    c10d connect could not. The c10d handshake then runs on a helper thread: something
+    else listening on the port (another service, a stale process) can leave it blocked
+    in a native receive that no signal interrupts; this thread gives up on it after
+    :data:`HANDSHAKE_S` with a line naming the likely cause, or at once on a signal.
     """
-    deadline = time.monotonic() + timeout_s
+    where = f"{host}:{port}"
+    start = time.monotonic()
+    deadline, next_report = start + timeout_s, start + WAIT_REPORT_S
     while not _accepts(host, port):
         if should_stop():
             raise StoreUnavailable("interrupted while waiting for the job store")
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise StoreUnavailable(
-                f"cannot reach the job store at {host}:{port} within {timeout_s:.0f}s "
+                f"cannot reach the job store at {where} within {timeout_s:.0f}s "
                 "(is the node-rank 0 agent running?)"
             )
+        if now >= next_report:
+            say(f"waiting for the job store at {where} (node-rank 0's agent), "
+                f"{now - start:.0f}s of {timeout_s:.0f}s")
+            next_report = now + WAIT_REPORT_S
         time.sleep(0.2)
-    try:
-        store = dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=OP_TIMEOUT_S)
-        )
-    except (dist.DistError, RuntimeError) as exc:
-        raise StoreUnavailable(f"cannot connect to the job store at {host}:{port}: "
-                               f"{brief(exc)}") from None
-    return store
+    return _handshake(host, port, should_stop)
+
+
+def _handshake(host: str, port: int, should_stop: Callable[[], bool]) -> dist.TCPStore:
+    where = f"{host}:{port}"
+    box: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=OP_TIMEOUT_S))
+        except (dist.DistError, RuntimeError) as exc:
+            box["error"] = exc
+
+    hint = ("is another service listening on that port? (--rdzv-endpoint must name the "
+            "port of the node-rank 0 agent)")
+    with _c10d_log_captured() as log_so_far:
+        helper = threading.Thread(target=connect, name="checkpointless-store-connect",
+                                  daemon=True)
+        helper.start()
+        deadline = time.monotonic() + HANDSHAKE_S
+        while helper.is_alive():
+            if should_stop():
+                raise StoreUnavailable("interrupted while connecting to the job store")
+            refused = _handshake_refusal(log_so_far())
+            if refused is not None:  # c10d would retry this until its own timeout
+                raise StoreUnavailable(f"the service at {where} is not a job store "
+                                       f"(c10d handshake: {refused}): {hint}")
+            if time.monotonic() > deadline:
+                # The helper stays blocked; it is a daemon and holds nothing of ours.
+                raise StoreUnavailable(
+                    f"something at {where} accepts connections but did not answer as a "
+                    f"job store within {HANDSHAKE_S:.0f}s: {hint}")
+            helper.join(0.1)
+    if "error" in box:
+        raise StoreUnavailable(f"cannot connect to the job store at {where}: "
+                               f"{brief(box['error'])} ({hint})") from None  # type: ignore[arg-type]
+    return box["store"]  # type: ignore[return-value]
+
+
+def _handshake_refusal(log: str) -> str | None:
+    """The reason c10d gave for a failed connect-or-validate, when it is not a plain
+    "connection refused" (which only means the store is not up yet)."""
+    for line in reversed(log.splitlines()):
+        if "failed to connect/validate" in line and "):" in line:
+            reason = line.rsplit("):", 1)[1].strip()
+            if reason and "refused" not in reason.lower():
+                return reason
+    return None
+
+
+@contextlib.contextmanager
+def _c10d_log_captured():
+    """Send this process's stderr (fd 2) to a temporary file while c10d connects.
+
+    c10d prints every retry of a failed handshake with a 25-frame C++ stack trace,
+    straight to fd 2, for up to its whole timeout. Only this agent's start-up runs then
+    (no worker, no other thread yet), so nothing else is hidden. Yields a function
+    that returns what was captured so far.
+    """
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            def so_far() -> str:
+                tmp.seek(0)
+                return tmp.read().decode(errors="replace")
+            yield so_far
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def check_job_key(store: dist.Store, where: str, timeout_s: float = 10.0) -> None:

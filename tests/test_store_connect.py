@@ -1,0 +1,127 @@
+"""Joining the job store never hangs and says what it waits for (issue 16).
+
+Real ``checkpointless run`` agents for node rank 1, pointed at ports where node 0's
+store is not: nothing listening, a service that accepts and never answers, and one
+that answers something else. Before: a silent wait of up to 600 s; and against a
+foreign service, a hang in c10d's native receive that ignored SIGTERM and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.helpers.mp import free_port
+from tests.recovery_harness import REPO, clean_env
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = str(REPO / "tests" / "user_scripts" / "bug_at_step.py")
+
+
+def _node1(port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--nnodes", "2", "--node-rank", "1",
+           "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "connect-test", *extra, SCRIPT]
+    return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+class _Foreign:
+    """A TCP service on 127.0.0.1 that is not a job store: it accepts, then either
+    stays silent (reading and discarding) or answers with ``reply`` and closes."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.reply = reply
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.reply is not None:
+                conn.sendall(self.reply)
+                conn.close()
+
+    def close(self) -> None:
+        for c in [*self.conns, self.sock]:
+            c.close()
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def _error_lines(err: str) -> list[str]:
+    """What the agent printed (one line is expected: no c10d stack traces)."""
+    return [line for line in err.splitlines() if line.strip()]
+
+
+def test_nothing_listening_says_what_it_waits_for_then_stops():
+    port = free_port()
+    proc = _node1(port, "--rdzv-conf", "join_timeout=7")
+    code, err, took = _finish(proc, 60)
+    assert code != 0 and took < 30, (code, took, err)
+    assert f"waiting for the job store at 127.0.0.1:{port} (node-rank 0's agent)" in err, err
+    assert f"cannot reach the job store at 127.0.0.1:{port} within 7s" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_a_silent_foreign_service_is_named_not_waited_on_forever():
+    service = _Foreign(reply=None)
+    try:
+        code, err, took = _finish(_node1(service.port), 60)
+    finally:
+        service.close()
+    assert code != 0 and took < 30, (code, took, err)
+    lines = _error_lines(err)
+    assert len(lines) == 1, err
+    assert f"something at 127.0.0.1:{service.port} accepts connections but did not answer " \
+           "as a job store" in lines[0], err
+    assert "Traceback" not in err, err
+
+
+def test_a_foreign_service_that_answers_is_a_clear_error():
+    service = _Foreign(reply=b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    try:
+        code, err, took = _finish(_node1(service.port), 60)
+    finally:
+        service.close()
+    assert code != 0 and took < 30, (code, took, err)
+    lines = _error_lines(err)
+    assert len(lines) == 1, err
+    assert f"127.0.0.1:{service.port}" in lines[0] and "another service" in lines[0], err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("where", ["waiting", "handshake"])
+def test_a_signal_stops_the_join_at_once(sig, where):
+    service = _Foreign(reply=None) if where == "handshake" else None
+    port = service.port if service else free_port()
+    proc = _node1(port)
+    try:
+        time.sleep(4.0)  # past start-up: in the wait loop, or inside the c10d handshake
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(sig)
+        code, err, took = _finish(proc, 30)
+    finally:
+        if service:
+            service.close()
+    assert took < 3.0, f"took {took:.1f}s to stop after {sig.name}\n{err}"
+    assert code != 0, err
+    assert "Traceback" not in err, err
