@@ -136,7 +136,7 @@ class Agent:
             signal.signal(sig, self._on_signal_received)
         try:
             self._connect()
-            if not self._join():
+            if not self._check_storage() or not self._join():
                 if self._signal is not None:
                     return self._stop()
                 failure = protocol.fatal(self.store) or {}
@@ -227,6 +227,22 @@ class Agent:
         if self.spares is not None:
             known |= self.spares.pids()
         reaper.reap_orphans(known)
+
+    def _check_storage(self) -> bool:
+        """Write, read and delete a probe at ``persistence.path`` before any worker
+        starts (every agent: each node has its own mounts and credentials); a failure
+        ends the job with one line on every node. False to stop."""
+        p = self.cfg.persistence
+        if not p.path:
+            return True
+        from replication.durable.probe import probe_storage  # fsspec: only when used
+
+        problem = probe_storage(p.path, dict(p.storage_options),
+                                should_stop=lambda: self._signal is not None)
+        if problem is not None:
+            protocol.set_fatal(self.store, problem, node=self.node)
+            return False
+        return True
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
@@ -503,10 +519,34 @@ class Agent:
         self._mark_finished()
         step_text = f", committed step {step}" if step is not None else ""
         gens = f" in {recoveries} generations" if recoveries != failures else ""
+        durable, persisted = self._durable_outcome()
         self._log(f"job done: {self.args.world_size} ranks finished, failures recovered: "
-                  f"{failures}{gens}{step_text}; run dir {self.run_dir}")
+                  f"{failures}{gens}{step_text}{durable}; run dir {self.run_dir}")
         self._linger(LINGER_S)
+        if not persisted:
+            print(f"checkpointless: job done but NOTHING WAS PERSISTED: persistence.path "
+                  f"{self.cfg.persistence.path!r} holds no complete checkpoint (see the "
+                  "'DURABLE CHECKPOINT FAILED' lines above); exit status 1",
+                  file=sys.stderr, flush=True)
+            return 1
         return 0
+
+    def _durable_outcome(self) -> tuple[str, bool]:
+        """For the last line: the newest complete checkpoint at ``persistence.path``
+        (read back from storage, not taken from the writers' word), and whether a run
+        that asked for persistence got any. A run that persisted nothing exits 1."""
+        p = self.cfg.persistence
+        if not p.path:
+            return "", True
+        from replication.durable import DurableError, latest_checkpoint
+
+        try:
+            newest = latest_checkpoint(p.path, dict(p.storage_options))
+        except (DurableError, OSError) as exc:
+            return f", durable: cannot list {p.path!r} ({exc})", False
+        if newest is None:
+            return ", durable: nothing persisted", False
+        return f", durable: newest complete checkpoint step {newest.step}", True
 
     def _failed(self, reason: str) -> int:
         print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)

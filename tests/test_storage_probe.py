@@ -1,0 +1,131 @@
+"""``persistence.path`` is checked before training starts (issue 16).
+
+Before: a read-only directory was found out only by the saves (one error each, exit 0
+with no checkpoint), and an S3 endpoint that was down cost 77 s of botocore tracebacks
+before the job stopped on a line that never named storage. Each agent now writes,
+reads back and deletes a probe object first. Real parts: a read-only tmpfs mount (the
+suite runs as root, for whom a chmod'ed directory is still writable), moto's S3 server,
+and a closed port for the endpoint that is down.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from replication.durable.probe import probe_storage
+from tests.helpers.mp import free_port
+from tests.recovery_harness import REPO, clean_env
+from tests.s3_server import moto_s3
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "none", str(mount)],
+                   check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_writable_directory_passes_and_keeps_nothing(tmp_path):
+    assert probe_storage(str(tmp_path / "ckpt")) is None
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_read_only_directory_is_one_line(read_only_dir):
+    problem = probe_storage(str(read_only_dir / "ckpt"))
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith(f"persistence.path '{read_only_dir / 'ckpt'}' failed its "
+                              "start-up check while creating the directory: OSError"), problem
+    assert "Read-only file system" in problem
+
+
+def test_a_path_below_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    problem = probe_storage(str(tmp_path / "file" / "ckpt"))
+    assert problem is not None and "NotADirectoryError" in problem, problem
+
+
+@pytest.mark.s3
+def test_s3_that_answers_passes_and_keeps_nothing():
+    with moto_s3() as server:
+        assert probe_storage(server.url("probe"), server.storage_options) is None
+        assert server.filesystem().find(server.url("probe")) == []
+
+
+def test_s3_endpoint_down_is_reported_within_the_deadline():
+    opts = {"key": "k", "secret": "s", "client_kwargs": {
+        "endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"}}
+    t0 = time.monotonic()
+    problem = probe_storage("s3://bucket/ckpt", opts, timeout_s=4.0)
+    took = time.monotonic() - t0
+    assert took < 6.0, took
+    assert problem is not None and problem.startswith("persistence.path 's3://bucket/ckpt' ")
+    assert "did not answer within 4s" in problem or "EndpointConnectionError" in problem
+
+
+def test_the_job_stops_before_any_worker_starts(read_only_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--standalone", "--nproc-per-node",
+           "2", "--run-dir", str(run_dir), f"persistence.path={read_only_dir}/ckpt",
+           str(REPO / "tests" / "user_scripts" / "bug_at_step.py")]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=90)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr)
+    failed = [line for line in proc.stderr.splitlines() if "job failed" in line]
+    assert len(failed) == 1 and "failed its start-up check" in failed[0], proc.stderr
+    assert "Read-only file system" in failed[0]
+    events = Path(run_dir / "events.jsonl").read_text()
+    assert '"worker_start"' not in events, "a worker started before the storage check"
+
+
+def _remount_read_only_when_training(mount: Path):
+    """A ``during`` hook: once the agent starts a worker (its storage check passed; the
+    worker still has seconds of imports before its first step), make the storage
+    read-only, so every save of the run fails."""
+    def hook(run_dir: Path) -> None:
+        events = run_dir / "events.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if events.exists() and '"worker_start"' in events.read_text():
+                subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+                return
+            time.sleep(0.05)
+        raise AssertionError("no worker started")
+    return hook
+
+
+def test_a_run_that_persisted_nothing_says_so_last_and_exits_non_zero(tmp_path):
+    """Storage that breaks after the start-up check: training is not stopped by it, the
+    saves fail loudly, and the last line says nothing was persisted (exit status 1)."""
+    from tests.recovery_harness import run_job
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "none", str(mount)], check=True)
+    try:
+        job = run_job(tmp_path / "run", nproc=2, timeout_s=120,
+                      script_args=("--steps", "24", "--dim", "32", "--layers", "1",
+                                   "--batch", "4", "--seq-len", "16"),
+                      overrides=[f"persistence.path={mount}/ckpt",
+                                 "persistence.every_n_steps=4"],
+                      during=_remount_read_only_when_training(mount))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert not job.timed_out, job.output()
+    assert job.returncodes[0] == 1, job.output()
+    assert [e["step"] for e in job.events("worker_done")] == [24, 24], "training was stopped"
+    err = job.agents[0].stderr
+    assert "DURABLE CHECKPOINT FAILED" in err, err[-3000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("checkpointless: job done but NOTHING WAS PERSISTED"), last
