@@ -183,3 +183,14 @@ def test_version_names_ours_torch_and_python(capsys):
     out = capsys.readouterr().out.strip()
     assert out.startswith("checkpointless 0.1.0 (torch 2.13.0"), out
     assert "python 3." in out
+
+
+def test_chaos_works_from_any_directory(tmp_path):
+    """The installed ``checkpointless`` console script, outside the checkout: ``chaos``
+    finds the benchmark beside the editable install (it once worked only as
+    ``python -m launcher.cli chaos`` from the repository root)."""
+    exe = Path(sys.executable).with_name("checkpointless")
+    result = subprocess.run([str(exe), "chaos", "--help"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--quick" in result.stdout and "--seed" in result.stdout, result.stdout
