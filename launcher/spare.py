@@ -35,9 +35,11 @@ import json
 import os
 import resource
 import runpy
+import signal
 import sys
 import threading
 import warnings
+from typing import NoReturn
 
 SPARE_NICE = 10  # added to the nice value while warming up and waiting (see WarmUpPriority)
 
@@ -274,6 +276,7 @@ def run_assigned(assignment: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     argv = [str(a) for a in assignment["argv"]]
     sys.argv = argv
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as `python SCRIPT` has it
     try:
         if assignment.get("module"):
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
@@ -290,6 +293,8 @@ def run_assigned(assignment: dict) -> None:
         if not usage or user_errors.first_step_done():
             raise
         user_errors.stop_before_first_step(exc)
+    except KeyboardInterrupt:
+        _interrupted()
     except Exception as exc:
         from recovery import user_errors
         from recovery.errors import Fenced, RecoveryImpossible
@@ -300,9 +305,26 @@ def run_assigned(assignment: dict) -> None:
         user_errors.stop_before_first_step(exc)
 
 
+def _interrupted() -> NoReturn:
+    """Ctrl-C reached the script (the terminal signals the whole process group) and
+    the script did not handle it: leave quietly with 130, as a shell reports it. The
+    agent prints the one line for its node; a traceback per rank only repeats it, and a
+    second Ctrl-C during interpreter teardown printed "lost sys.stderr" dumps. The exit
+    skips teardown (gloo's destructors can block); the user's own ``finally`` blocks and
+    ``except KeyboardInterrupt`` handlers have run by now."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(130)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--run"]:
-        run_fresh(sys.argv[2:])
+        try:
+            run_fresh(sys.argv[2:])
+        except KeyboardInterrupt:  # during the bootstrap's imports, before the script
+            _interrupted()
         return 0
     return serve()
 

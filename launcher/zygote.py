@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -238,6 +239,10 @@ def _reseed() -> None:
 
 
 def main(argv: list[str]) -> int:
+    # A Ctrl-C in the terminal reaches the whole process group; the agent ends this
+    # process (closing its socket) as part of stopping the node. A spare forked from
+    # here inherits this and takes the default back when it runs a rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
     from launcher.spare import warm_up
 

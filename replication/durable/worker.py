@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -115,6 +116,13 @@ def _take_preforked() -> _Preforked | None:
 
 
 # -- parent side --------------------------------------------------------------------------
+#: The helper's command: SIGINT is ignored before the package imports torch (a Ctrl-C
+#: reaches the whole process group, and an import it interrupts prints a traceback);
+#: its rank ends it by closing the pipe.
+_HELPER_BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "from replication.durable.worker import main; main(sys.argv[1:])")
+
+
 class ProcessBackend:
     """The training-process end of one rank's helper process."""
 
@@ -144,7 +152,7 @@ class ProcessBackend:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "replication.durable.worker", str(child.fileno())],
+                [sys.executable, "-c", _HELPER_BOOT, str(child.fileno())],
                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
             )
         finally:
@@ -480,6 +488,9 @@ def _staged_waiter(seg: Any, abort: threading.Event):
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    # Its rank stops it (it exits when the rank's end of the pipe closes): a Ctrl-C
+    # that reaches the whole process group must not print a traceback from here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(args[0]))
     code = 0
     try:

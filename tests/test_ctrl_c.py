@@ -1,0 +1,89 @@
+"""Ctrl-C ends the job with one line per node, at any moment (issue 16).
+
+A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the agent, its
+workers, the zygote, the spares and each rank's durable helper. Before, that printed
+about 90 lines of KeyboardInterrupt tracebacks (workers, zygote, spare, "lost
+sys.stderr" dumps from interpreter teardown). Here two real agents run in sessions of
+their own, with spares and a durable path, and each whole group gets SIGINT: while the
+command imports, while the workers start, and mid-training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.mp import free_port
+from tests.recovery_harness import REPO, clean_env
+
+pytestmark = pytest.mark.timeout(180)
+
+EXE = str(Path(os.sys.executable).with_name("checkpointless"))
+
+
+def _start(tmp: Path) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [EXE, "run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+               "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ctrl-c",
+               "--spares", "1", "--run-dir", str(tmp / "run"),
+               f"persistence.path={tmp / 'ckpt'}", "persistence.every_n_steps=20",
+               str(REPO / "examples" / "train_gpt.py"), "--steps", "100000",
+               "--out", str(tmp / "out")]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return procs
+
+
+def _training(tmp: Path) -> bool:
+    events = tmp / "run" / "events.jsonl"
+    if not events.exists():
+        return False
+    return any(json.loads(line).get("event") == "step"
+               for line in events.read_text().splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("moment", ["importing", "starting", "training"])
+def test_ctrl_c_stops_every_node_with_one_line(tmp_path, moment):
+    procs = _start(tmp_path)
+    try:
+        if moment == "importing":
+            time.sleep(0.4)
+        elif moment == "starting":
+            time.sleep(2.5)
+        else:
+            deadline = time.monotonic() + 90
+            while not _training(tmp_path):
+                assert time.monotonic() < deadline, "the job never trained"
+                time.sleep(0.1)
+            time.sleep(1.0)
+        for p in procs:
+            os.killpg(p.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=30)[0] for p in procs]
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert took < 5.0, f"stopping took {took:.1f}s"
+    assert [p.returncode for p in procs] == [130, 130], outs
+    for node, out in enumerate(outs):
+        lines = [line for line in out.splitlines()
+                 if line.strip() and " loss " not in line]  # the script's own progress
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+        assert "lost sys.stderr" not in out, out[-3000:]
+        said = [line for line in lines if "SIGINT" in line]
+        assert len(said) <= 1, lines
+        if moment == "training":
+            assert said == [f"[checkpointless node {node}] SIGINT: stopping this node's "
+                            "workers"], lines
+        assert len(lines) <= 4, lines  # joined, listening, the SIGINT line
