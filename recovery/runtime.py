@@ -129,6 +129,7 @@ class Checkpointless:
         self._durable_bytes = 0
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
+        self._replay_warned = False  # one console warning per recovery (see _check_replay)
         self._transfer_parts: dict[str, float] = {}
         self._repeats = user_errors.RepeatGuard()
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
@@ -286,6 +287,7 @@ class Checkpointless:
             self._persist_committed()
         if stall is not None:
             self._mark_loaders_committed()
+        self._check_replay()
         if self._resumed_from is not None:
             info, self._resumed_from = self._resumed_from, None
             self.log.emit("resumed", rank=self.rank, step=step,
@@ -362,9 +364,28 @@ class Checkpointless:
             if callable(mark):
                 mark()
 
+    def _check_replay(self) -> None:
+        """Report replayed steps whose snapshot differs from the first run's
+        (:mod:`replication.replay_check`): the recovery 'succeeded', but training left
+        the trajectory a failure-free run takes. An event per step, one console line
+        per recovery; training goes on (the user decides)."""
+        assert self.replicator is not None
+        for step, names in self.replicator.engine.replay.take_differences():
+            self.log.emit("replay_diverged", rank=self.rank, step=step, gen=self.gen,
+                          segments=names)
+            if not self._replay_warned:
+                self._replay_warned = True
+                print(f"checkpointless: WARNING: rank {self.rank} replayed step {step} after "
+                      f"the recovery and its state differs from the first run's in "
+                      f"{', '.join(names)}: state the runtime does not know about changed "
+                      "(register it: a batch fetched ahead of its step, a counter kept on "
+                      "an object), or the step is not deterministic. Training goes on, off "
+                      "the path a failure-free run takes.", file=sys.stderr, flush=True)
+
     def _finish(self, destroy_group: bool = True) -> None:
         assert self.replicator is not None
         self.replicator.wait()
+        self._check_replay()  # the last round sealed the last step
         if self.durable is not None:
             # The final step, now committed, is always persisted: let a save still in
             # flight finish first, or the writer would skip it as "cannot keep up".
@@ -482,6 +503,9 @@ class Checkpointless:
                     "kind": "failure_during_recovery", "rank": self.rank, "ts": time.time(),
                     "error": str(exc)[:300]})
                 self._teardown_generation()
+        # Steps this survivor snapshotted after the target are replays from now on.
+        self.replicator.engine.replay.rolled_back(plan.target_step)
+        self._replay_warned = False
         t_reset = time.perf_counter()
         ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(fresh_process=newcomer)
         self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)

@@ -47,6 +47,7 @@ from replication.layout import (
     tensor_views,
     unflatten_segment,
 )
+from replication.replay_check import ReplayCheck
 from replication.state import TrainingState, local_tensor
 
 log = logging.getLogger("checkpointless.replication")
@@ -675,6 +676,7 @@ class SnapshotEngine:
         self.overlap_min_bytes = overlap_min_bytes
         self.pending: PendingCopy | None = None  # at most one: every capture fences first
         self.fence_wait_s = 0.0  # seconds spent in fence() outside capture: overlap's stall
+        self.replay = ReplayCheck()  # a replayed step's digests against its first run's
         self._hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
             weakref.WeakKeyDictionary()
         )
@@ -884,6 +886,7 @@ class SnapshotEngine:
         assert slot.buffer is not None and slot.layout is not None
         if slot.digests is None:
             slot.digests = compute_digests(slot.buffer, slot.layout, slot.skeletons)
+        self.replay.record(slot.step, slot.digests)
         return slot.meta()
 
     # -- a snapshot received from elsewhere ---------------------------------------------

@@ -218,6 +218,9 @@ def assert_same_final(reference: JobResult, job: JobResult) -> None:
                 f"rank {r}: {key} differs from the failure-free run: "
                 f"{got[r][key]!r} != {ref[r][key]!r}"
             )
+    # A bit-identical run replays every step exactly: the run-time check must agree.
+    diverged = job.events("replay_diverged")
+    assert not diverged, f"the replay check reported a bit-identical run: {diverged}"
 
 
 def assert_noticed_fast(job: JobResult, victim: int, within_s: float = 3.0) -> None:
