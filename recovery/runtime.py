@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from recovery import auth, elastic_group, process_groups, protocol, user_errors
 from recovery.durable_restore import agree_and_read
@@ -130,6 +131,7 @@ class Checkpointless:
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self._replay_warned = False  # one console warning per recovery (see _check_replay)
+        self._dp_checked: set[int] = set()  # models checked this generation (all_reduce_gradients)
         self._transfer_parts: dict[str, float] = {}
         self._repeats = user_errors.RepeatGuard()
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
@@ -190,15 +192,54 @@ class Checkpointless:
         self._finish()
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Average gradients across ranks (deterministic order, failure-aware wait)."""
+        """Average gradients across ranks (deterministic order, failure-aware wait).
+
+        Calling it declares ``model`` data-parallel, so the first call of each
+        generation also checks that every rank holds the same weights
+        (:meth:`_check_replicas_agree`)."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads or self.world_size == 1:
             return
+        if id(model) not in self._dp_checked:
+            self._dp_checked.add(id(model))
+            self._check_replicas_agree(model, grads[0].device)
         flat = torch._utils._flatten_dense_tensors(grads)
         self.wait(dist.all_reduce(flat, async_op=True))
         flat.div_(self.world_size)
         for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(f)
+
+    def _check_replicas_agree(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Say so, loudly and once, when data-parallel ranks hold different weights.
+
+        Averaging gradients keeps equal weights equal; it never makes different ones
+        equal. nanoGPT seeds each rank differently and relies on DDP's constructor
+        broadcasting rank 0's weights: adapted to this API without DDP, every rank
+        trained its own model, with no warning. One hash of the parameters (not the
+        buffers, which may differ per rank: batch-norm statistics) and one all-gather,
+        at the first call of each generation (a replacement's restored weights too).
+        """
+        h = xxhash.xxh64()
+        for p in model.parameters():
+            h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        mine = torch.tensor([h.intdigest() & ((1 << 63) - 1)], dtype=torch.int64,
+                            device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.wait(dist.all_gather(gathered, mine, async_op=True))
+        groups: dict[int, list[int]] = {}
+        for rank, t in enumerate(gathered):
+            groups.setdefault(int(t.item()), []).append(rank)
+        if len(groups) == 1:
+            return
+        split = " vs ".join(str(ranks) for ranks in sorted(groups.values()))
+        self.log.emit("replicas_differ", rank=self.rank, step=self.step, groups=split)
+        if self.rank == 0:
+            print(f"checkpointless: WARNING: all_reduce_gradients averages the gradients of "
+                  f"a model whose weights already differ across ranks at step {self.step} "
+                  f"(ranks with equal weights: {split}): the ranks train different models. "
+                  "Seed every rank the same before building the model, or broadcast rank "
+                  "0's weights once (nanoGPT seeds by rank and relies on DDP's broadcast).",
+                  file=sys.stderr, flush=True)
 
     def wait(self, work: Any) -> None:
         """Wait for a collective, bailing out as soon as a failure is declared anywhere."""
@@ -506,6 +547,7 @@ class Checkpointless:
         # Steps this survivor snapshotted after the target are replays from now on.
         self.replicator.engine.replay.rolled_back(plan.target_step)
         self._replay_warned = False
+        self._dp_checked.clear()
         t_reset = time.perf_counter()
         ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(fresh_process=newcomer)
         self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)

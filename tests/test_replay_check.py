@@ -1,4 +1,5 @@
-"""A survivor's replay of a step is checked against its first run (issue 16).
+"""A survivor's replay is checked against its first run, and data-parallel ranks
+against each other (issue 16).
 
 Adapting nanoGPT, whose loop fetches the next batch at the end of each step, a user who
 registers the loader but not the prefetched batch gets a recovery that reports success
@@ -16,7 +17,7 @@ from tests.recovery_harness import REPO, assert_succeeded, run_job
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = str(REPO / "tests" / "user_scripts" / "hidden_prefetch.py")
+SCRIPT = str(REPO / "tests" / "user_scripts" / "nanogpt_habits.py")
 FAST = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
 
 
@@ -73,3 +74,20 @@ def test_the_registered_batch_replays_exactly(tmp_path):
     assert not job.events("replay_diverged"), job.events("replay_diverged")
     ref, got = reference.finals(), job.finals()
     assert {r: f["digest"] for r, f in got.items()} == {r: f["digest"] for r, f in ref.items()}
+
+
+def test_ranks_seeded_differently_are_told_at_the_first_step(tmp_path):
+    """nanoGPT's per-rank seed without DDP's broadcast: every rank trains its own model.
+    Averaging gradients never makes different weights equal; rank 0 says so once."""
+    job = _run(tmp_path, "seeds", "--seed-by-rank", "--register-batch")
+    assert_succeeded(job)
+    events = job.events("replicas_differ")
+    assert {e["rank"] for e in events} == {0, 1} and {e["step"] for e in events} == {1}
+    assert events[0]["groups"] == "[0] vs [1]", events
+    warnings = [line for line in job.output().splitlines()
+                if "the ranks train different models" in line]
+    assert len(warnings) == 1, job.output()
+    # the same seed everywhere: not a word
+    same = _run(tmp_path, "same", "--register-batch")
+    assert_succeeded(same)
+    assert not same.events("replicas_differ")

@@ -1,4 +1,11 @@
-"""nanoGPT's prefetch, adapted to the plain API without registering the batch.
+"""Two habits of Karpathy's nanoGPT, adapted to the plain API by a new user.
+
+Seeding: nanoGPT seeds each rank differently (``1337 + seed_offset``) and relies on
+DDP's constructor to broadcast rank 0's weights. Without DDP (``--seed-by-rank``), each
+rank trains its own model; the runtime must say so at the first step.
+
+Prefetch: nanoGPT's loop fetches the next batch at the end of each step, without
+registering the batch.
 
 nanoGPT fetches the first batch before its loop and the next one at the end of each
 step (``X, Y = get_batch('train')``), so the batch a step trains on was fetched by the
@@ -39,9 +46,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--register-batch", action="store_true")
+    ap.add_argument("--seed-by-rank", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(1337 + (int(os.environ["RANK"]) if args.seed_by_rank else 0))
     data = CharData(make_corpus(), 16, 4, int(os.environ["RANK"]),
                     int(os.environ["WORLD_SIZE"]), seed=0)
     model = TinyGPT(data.vocab_size, 32, 1, seq_len=16)
