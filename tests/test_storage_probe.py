@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from replication.durable.probe import probe_storage
 from tests.helpers.mp import free_port
@@ -129,3 +131,21 @@ def test_a_run_that_persisted_nothing_says_so_last_and_exits_non_zero(tmp_path):
     assert "DURABLE CHECKPOINT FAILED" in err, err[-3000:]
     last = [line for line in err.splitlines() if line.strip()][-1]
     assert last.startswith("checkpointless: job done but NOTHING WAS PERSISTED"), last
+
+
+_FUZZ_ROOT = Path("/tmp/checkpointless-probe-fuzz")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=st.sampled_from([f"{_FUZZ_ROOT}/", f"file://{_FUZZ_ROOT}/", "memory://",
+                               "nope://", f"{_FUZZ_ROOT}/\x00"]),
+       rest=st.text(max_size=40).filter(lambda t: ".." not in t))  # stay inside the root
+@example(prefix="", rest="")
+def test_any_path_is_a_verdict_of_one_line_never_a_crash(prefix, rest):
+    """Malformed URLs and paths (unknown protocols, NUL bytes, surrogates, empty) get
+    ``None`` or one line naming ``persistence.path``, within the deadline."""
+    t0 = time.monotonic()
+    problem = probe_storage(prefix + rest, timeout_s=5.0)
+    assert time.monotonic() - t0 < 8.0
+    if problem is not None:
+        assert problem.startswith("persistence.path ") and "\n" not in problem, problem
