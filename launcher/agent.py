@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import torch.distributed as dist
@@ -108,6 +109,7 @@ class Agent:
 
     def __init__(self, args: RunArgs, cfg: CheckpointlessConfig, run_dir: str) -> None:
         self.args, self.cfg, self.run_dir = args, cfg, run_dir
+        self._started_at = time.time()  # this run's rows in the durable history are newer
         self.node = args.node_rank
         self.rcfg = cfg.recovery
         events_file = cfg.recovery.events_file or os.path.join(run_dir, "events.jsonl")
@@ -544,9 +546,30 @@ class Agent:
             newest = latest_checkpoint(p.path, dict(p.storage_options))
         except (DurableError, OSError) as exc:
             return f", durable: cannot list {p.path!r} ({exc})", False
+        saves = self._durable_saves(p.path, dict(p.storage_options))
         if newest is None:
-            return ", durable: nothing persisted", False
-        return f", durable: newest complete checkpoint step {newest.step}", True
+            return f", durable: nothing persisted{saves}", False
+        return f", durable: newest complete checkpoint step {newest.step}{saves}", True
+
+    def _durable_saves(self, url: str, options: dict) -> str:
+        """This run's saves by outcome, from the checkpoint history on storage (each
+        rank appends a row per save), e.g. " (38 rank saves: 36 ok, 2 failed)"."""
+        from replication.durable import read_history
+
+        def when(row: dict[str, str]) -> float:  # ISO 8601 with a Z
+            return datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00")).timestamp()
+
+        try:
+            rows = [r for r in read_history(url, options) if when(r) >= self._started_at]
+        except Exception:  # the summary is a courtesy: never fail the ending on it
+            return ""
+        if not rows:
+            return ""
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.get("status") or "?"] = counts.get(r.get("status") or "?", 0) + 1
+        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        return f" ({len(rows)} rank saves: {parts})"
 
     def _failed(self, reason: str) -> int:
         print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)

@@ -36,6 +36,12 @@ def test_run_persists_committed_snapshots_and_they_load_exactly(tmp_path):
     assert len(steps) == 2 and steps[-1] == STEPS, steps  # retention, and the final step
     rows = read_history(str(ckpt))
     assert {r["status"] for r in rows} >= {"ok"}
+    # The agent's last line reads the outcome back from storage and sums up the saves.
+    ok = sum(r["status"] == "ok" for r in rows)
+    done = [line for line in proc.stderr.splitlines() if "job done" in line]
+    assert len(done) == 1, proc.stderr[-2000:]
+    assert f"durable: newest complete checkpoint step {STEPS} ({len(rows)} rank saves: " \
+           f"{ok} ok" in done[0], done[0]
 
     # A replacement's view: fresh objects, restored from the newest durable checkpoint.
     data = CharData(make_corpus(), 32, 8, rank=0, world=2, seed=0)

@@ -69,6 +69,9 @@ def test_node_lost_spare_node_takes_over(tmp_path, reference):
     assert last[0]["providers"] == {"2": 0, "3": 1}, "replicas of node 1 live on node 0"
     started = {e["rank"] for e in job.events("worker_start") if e["node"] == 2}
     assert started == {2, 3}, "the spare node must run the lost node's ranks"
+    # One failure, whatever its generations (the demo once said "recoveries: 3").
+    done = job.events("job_done")
+    assert done and all(e["failures"] == 1 for e in done), done
 
 
 def test_two_failures_on_different_nodes(tmp_path, reference):
@@ -92,6 +95,7 @@ def test_two_failures_on_different_nodes(tmp_path, reference):
             f"rank {rank} (generation {gen}) not restored from rank {provider}: {recs}")
     replaced = sorted(e["rank"] for e in job.events("replacement_assigned"))
     assert replaced == [1, 2]
+    assert all(e["failures"] == 2 for e in job.events("job_done")), job.events("job_done")
 
 
 @pytest.mark.slow

@@ -129,6 +129,7 @@ def test_a_run_that_persisted_nothing_says_so_last_and_exits_non_zero(tmp_path):
     assert [e["step"] for e in job.events("worker_done")] == [24, 24], "training was stopped"
     err = job.agents[0].stderr
     assert "DURABLE CHECKPOINT FAILED" in err, err[-3000:]
+    assert "durable: nothing persisted" in err, err[-3000:]
     last = [line for line in err.splitlines() if line.strip()][-1]
     assert last.startswith("checkpointless: job done but NOTHING WAS PERSISTED"), last
 
