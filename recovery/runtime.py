@@ -132,6 +132,7 @@ class Checkpointless:
         self._resumed_from: dict[str, Any] | None = None
         self._replay_warned = False  # one console warning per recovery (see _check_replay)
         self._dp_checked: set[int] = set()  # models checked this generation (all_reduce_gradients)
+        self._dp_entries: set[str] = set()  # state entries declared data-parallel (drift watch)
         self._transfer_parts: dict[str, float] = {}
         self._repeats = user_errors.RepeatGuard()
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
@@ -203,11 +204,22 @@ class Checkpointless:
         if id(model) not in self._dp_checked:
             self._dp_checked.add(id(model))
             self._check_replicas_agree(model, grads[0].device)
+            self._declare_data_parallel(model)
         flat = torch._utils._flatten_dense_tensors(grads)
         self.wait(dist.all_reduce(flat, async_op=True))
         flat.div_(self.world_size)
         for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(f)
+
+    def _declare_data_parallel(self, model: torch.nn.Module | None = None) -> None:
+        """Watch for drift (:mod:`replication.drift`) the state entries that are
+        data-parallel replicas: DDP modules, and ``model`` when given (the user
+        all-reduces its gradients)."""
+        for name, obj in self.state:
+            if obj is model or isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                self._dp_entries.add(name)
+        if self.replicator is not None:
+            self.replicator.drift.watch(self._dp_entries)
 
     def _check_replicas_agree(self, model: torch.nn.Module, device: torch.device) -> None:
         """Say so, loudly and once, when data-parallel ranks hold different weights.
@@ -411,6 +423,15 @@ class Checkpointless:
         the trajectory a failure-free run takes. An event per step, one console line
         per recovery; training goes on (the user decides)."""
         assert self.replicator is not None
+        for step, name, split in self.replicator.drift.take():
+            self.log.emit("replicas_drifted", rank=self.rank, step=step, entry=name,
+                          split=split)
+            if self.rank == 0:
+                print(f"checkpointless: WARNING: state entry {name!r} was {split} at step "
+                      f"{step}: data-parallel replicas drifted apart (a gradient not "
+                      "all-reduced, a rank-dependent update, a non-deterministic "
+                      "collective); the ranks no longer train one model.",
+                      file=sys.stderr, flush=True)
         for step, names in self.replicator.engine.replay.take_differences():
             self.log.emit("replay_diverged", rank=self.rank, step=step, gen=self.gen,
                           segments=names)
@@ -460,6 +481,7 @@ class Checkpointless:
             raise RecoveryImpossible(str(exc)) from None
         self.replicator = replicator
         self.replicator.should_abort = lambda: self.watchdog.failure_pending
+        self._declare_data_parallel()
         self.gen = self.watchdog.generation = gen
 
     def _make_replicator(self, gen: int, old: Replicator | None) -> Replicator:

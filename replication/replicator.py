@@ -39,6 +39,7 @@ import xxhash
 from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
+from replication.drift import DriftWatch
 from replication.layout import SnapshotLayout, flatten
 from replication.memory import (
     MemoryPlan,
@@ -202,6 +203,7 @@ class Replicator:
             )
         self.sources = sources_of(self.holders)
         self._inflight: Future | None = None
+        self.drift = DriftWatch()  # data-parallel replicas drifting apart (this generation)
         self.last_round: RoundStats | None = None
         self.check_budget(expected)
 
@@ -332,10 +334,14 @@ class Replicator:
         for i in range(n):
             ann[_ANN_HEADER + i] = _fingerprint(meta, i)
         peers = []
+        ordered: list[list[int]] = []
         for t in self.channel.allgather(ann):
             vals = t.tolist()
             count = vals[2]
-            peers.append((vals[0], vals[1], set(vals[_ANN_HEADER : _ANN_HEADER + count])))
+            ordered.append(vals[_ANN_HEADER : _ANN_HEADER + count])
+            peers.append((vals[0], vals[1], set(ordered[-1])))
+        if all(len(fps) == n for fps in ordered):  # the same entries everywhere
+            self.drift.observe(meta.step, [seg.name for seg in meta.layout.segments], ordered)
         steps = {p[0] for p in peers}
         if steps != {meta.step}:
             raise ReplicationError(f"ranks disagree on the step being replicated: {sorted(steps)}")

@@ -91,3 +91,31 @@ def test_ranks_seeded_differently_are_told_at_the_first_step(tmp_path):
     same = _run(tmp_path, "same", "--register-batch")
     assert_succeeded(same)
     assert not same.events("replicas_differ")
+
+
+def test_replicas_that_drift_apart_are_reported(tmp_path):
+    """Rank 1 alone changes a weight at step 5: the model entry, identical on both ranks
+    at the first round, differs from step 5's round on. Rank 0 says so once."""
+    job = _run(tmp_path, "drift", "--register-batch", "--drift-at", "5")
+    assert_succeeded(job)
+    drifted = job.events("replicas_drifted")
+    assert drifted and {e["entry"] for e in drifted} == {"model"}, drifted
+    assert {e["step"] for e in drifted} == {5}, drifted
+    assert drifted[0]["split"] == "identical on [0, 1], now [0] vs [1]", drifted
+    lines = [line for line in job.output().splitlines() if "drifted apart" in line]
+    assert len(lines) == 1 and "state entry 'model'" in lines[0], job.output()
+
+
+def test_drift_is_judged_within_the_groups_that_matched():
+    from replication.drift import DriftWatch
+
+    watch = DriftWatch()
+    watch.watch({"model"})
+    # HSDP-like: ranks {0, 1} and {2, 3} each hold one replica; "loader" is not watched
+    watch.observe(1, ["model", "loader"], [[1, 7], [1, 7], [2, 7], [2, 7]])
+    watch.observe(2, ["model", "loader"], [[3, 1], [3, 2], [4, 3], [4, 4]])
+    assert watch.take() == []
+    watch.observe(3, ["model", "loader"], [[5, 1], [5, 2], [6, 3], [9, 4]])
+    assert watch.take() == [(3, "model", "identical on [2, 3], now [2] vs [3]")]
+    watch.observe(4, ["model", "loader"], [[1, 1], [2, 2], [3, 3], [4, 4]])
+    assert watch.take() == []  # reported once per entry

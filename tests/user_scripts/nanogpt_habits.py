@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--register-batch", action="store_true")
     ap.add_argument("--seed-by-rank", action="store_true")
+    ap.add_argument("--drift-at", type=int, default=0,
+                    help="rank 1 nudges one weight at this step (a rank-dependent update)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(1337 + (int(os.environ["RANK"]) if args.seed_by_rank else 0))
@@ -64,6 +66,9 @@ def main() -> None:
         cl.all_reduce_gradients(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if step == args.drift_at and cl.rank == 1:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] += 1e-3
         nx, ny = data.next_batch()  # the next step's batch, fetched ahead
         batch.x.copy_(nx)
         batch.y.copy_(ny)
