@@ -130,7 +130,7 @@ class Checkpointless:
         self._durable_bytes = 0
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
-        self._replay_warned = False  # one console warning per recovery (see _check_replay)
+        self._replay_warned = False  # one console warning per recovery (see _report_divergence)
         self._dp_checked: set[int] = set()  # models checked this generation (all_reduce_gradients)
         self._dp_entries: set[str] = set()  # state entries declared data-parallel (drift watch)
         self._transfer_parts: dict[str, float] = {}
@@ -340,7 +340,7 @@ class Checkpointless:
             self._persist_committed()
         if stall is not None:
             self._mark_loaders_committed()
-        self._check_replay()
+        self._report_divergence()
         if self._resumed_from is not None:
             info, self._resumed_from = self._resumed_from, None
             self.log.emit("resumed", rank=self.rank, step=step,
@@ -417,11 +417,12 @@ class Checkpointless:
             if callable(mark):
                 mark()
 
-    def _check_replay(self) -> None:
-        """Report replayed steps whose snapshot differs from the first run's
-        (:mod:`replication.replay_check`): the recovery 'succeeded', but training left
-        the trajectory a failure-free run takes. An event per step, one console line
-        per recovery; training goes on (the user decides)."""
+    def _report_divergence(self) -> None:
+        """Report what the run-time checks found since the last step: data-parallel
+        replicas that drifted apart (:mod:`replication.drift`), and replayed steps whose
+        snapshot differs from the first run's (:mod:`replication.replay_check`: the
+        recovery 'succeeded', but training left the path a failure-free run takes).
+        Events, and one console line per finding or per recovery; training goes on."""
         assert self.replicator is not None
         for step, name, split in self.replicator.drift.take():
             self.log.emit("replicas_drifted", rank=self.rank, step=step, entry=name,
@@ -447,7 +448,7 @@ class Checkpointless:
     def _finish(self, destroy_group: bool = True) -> None:
         assert self.replicator is not None
         self.replicator.wait()
-        self._check_replay()  # the last round sealed the last step
+        self._report_divergence()  # the last round sealed the last step
         if self.durable is not None:
             # The final step, now committed, is always persisted: let a save still in
             # flight finish first, or the writer would skip it as "cannot keep up".

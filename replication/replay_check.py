@@ -30,14 +30,16 @@ class ReplayCheck:
         self._found: list[tuple[int, list[str]]] = []
         self._lock = threading.Lock()
 
-    def record(self, step: int, digests: dict[str, str]) -> None:
-        """A sealed snapshot of ``step`` (called for every capture, on any thread)."""
+    def record(self, step: int, digests: dict[str, str],
+               exempt: frozenset[str] = frozenset()) -> None:
+        """A sealed snapshot of ``step`` (called for every capture, on any thread);
+        entries in ``exempt`` may differ in a replay by design and are not compared."""
         with self._lock:
             if step in self._replay:
                 self._replay.discard(step)
                 before = self._seen.get(step, {})
                 differ = sorted(n for n in set(before) | set(digests)
-                                if before.get(n) != digests.get(n))
+                                if n not in exempt and before.get(n) != digests.get(n))
                 if differ:
                     self._found.append((step, differ))
             self._seen[step] = dict(digests)

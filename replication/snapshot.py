@@ -886,7 +886,7 @@ class SnapshotEngine:
         assert slot.buffer is not None and slot.layout is not None
         if slot.digests is None:
             slot.digests = compute_digests(slot.buffer, slot.layout, slot.skeletons)
-        self.replay.record(slot.step, slot.digests)
+        self.replay.record(slot.step, slot.digests, self.state.replay_exempt)
         return slot.meta()
 
     # -- a snapshot received from elsewhere ---------------------------------------------

@@ -65,6 +65,7 @@ class TrainingState:
         self._entries: dict[str, Stateful] = {}
         self._restore_guards: list[Callable[[], None]] = []
         self._declared_optimizers: list[torch.optim.Optimizer] = []
+        self.replay_exempt: frozenset[str] = frozenset()  # see exempt_from_replay_check
         if rng:
             self.register("rng", RNGState())
 
@@ -79,6 +80,12 @@ class TrainingState:
                 f"state {name!r} ({type(obj).__qualname__}) has no state_dict/load_state_dict"
             )
         self._entries[name] = obj
+
+    def exempt_from_replay_check(self, *names: str) -> None:
+        """Entries whose replay may differ by design, so a survivor does not compare
+        them with their first run (:mod:`replication.replay_check`): a framework's loop
+        state holds wall-clock values (NeMo logs each step's timing as a metric)."""
+        self.replay_exempt = self.replay_exempt | frozenset(names)
 
     def add_restore_guard(self, guard: Callable[[], None]) -> None:
         """Call ``guard()`` before every :meth:`restore` writes the live objects.

@@ -36,6 +36,14 @@ def test_only_steps_after_the_rollback_are_compared():
     assert check.take_differences() == []
 
 
+def test_exempt_entries_are_not_compared():
+    check = ReplayCheck()
+    check.record(5, {"model": "m", "trainer": "t0"})
+    check.rolled_back(4)
+    check.record(5, {"model": "m", "trainer": "t1"}, exempt=frozenset({"trainer"}))
+    assert check.take_differences() == []
+
+
 def test_old_steps_are_forgotten():
     check = ReplayCheck(keep=4)
     for step in range(1, 11):
