@@ -67,7 +67,12 @@ BENCHES = {
                 "worker SIGKILL over the 50 before; it was about 4 while abandoned gloo "
                 "threads spun (ADR 0002, replaced by 0015). The windows include a warm "
                 "spare starting on the same 2 cores on both sides. Steps are short, so the "
-                "figure is noisy: quick runs gave 1.09, 1.09 and 0.97 (session 10).",
+                "figure is noisy: quick runs gave 1.09, 1.09 and 0.97 (session 10). "
+                "Since session 12 a recovery also reseeds the replacement's replicas (ADR "
+                "0018): the newcomer receives its source's state too, twice the bytes on "
+                "2 ranks. Quick run after it: 0.130 / 0.131 (DDP) / 0.148 (FSDP2) of a "
+                "restart (0.10 / 0.14 / 0.14 before), step time after 1.05x; the "
+                "survivor's transfer phase went from about 0.14 s to 0.19 s.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (issue 4; the writer on its own)",
