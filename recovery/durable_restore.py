@@ -38,7 +38,7 @@ from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
 from recovery.rendezvous import GenerationChanged
 from replication.config import PersistenceConfig
-from replication.snapshot import SnapshotMeta
+from replication.snapshot_meta import SnapshotMeta
 
 #: How long a rank waits for the others' votes on one candidate (reads can be slow).
 VOTE_TIMEOUT_S = 900.0

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from replication.digest_copy import verify_segments
 from replication.replicas import ReplicaStore
-from replication.snapshot import SnapshotMeta, verify_segments
+from replication.snapshot_meta import SnapshotMeta
 from replication.transport import SideChannel
 
 _HEADER_TAG = 1 << 29

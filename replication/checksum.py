@@ -26,7 +26,7 @@ class Hasher:
     """Streaming digest over consecutive byte ranges; equal to :func:`digest` of the whole.
 
     Ranges may be tensors or plain bytes (a segment's digest ends with the bytes of its
-    skeleton and layout, see ``snapshot.segment_digest``).
+    skeleton and layout, see ``digest_copy.segment_digest``).
     """
 
     def __init__(self) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replication.snapshot import SnapshotMeta, allocate_host
+from replication.slots import allocate_host
+from replication.snapshot_meta import SnapshotMeta
 
 
 @dataclass

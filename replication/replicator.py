@@ -39,6 +39,7 @@ import xxhash
 from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
+from replication.digest_copy import segment_trailer, verify_segments
 from replication.drift import DriftWatch
 from replication.layout import SnapshotLayout, flatten
 from replication.memory import (
@@ -49,13 +50,9 @@ from replication.memory import (
 )
 from replication.placement import place_replicas, sources_of
 from replication.replicas import ReplicaStore
-from replication.snapshot import (
-    SnapshotEngine,
-    SnapshotMeta,
-    SnapshotSlot,
-    segment_trailer,
-    verify_segments,
-)
+from replication.slots import SnapshotSlot
+from replication.snapshot import SnapshotEngine
+from replication.snapshot_meta import SnapshotMeta
 from replication.state import TrainingState
 from replication.transport import SideChannel, TransportError
 
@@ -403,7 +400,7 @@ class Replicator:
             for work, chunk in chunks:
                 self.channel.wait([work], f"replica of rank {src}")
                 hasher.update(chunk)
-            # The digest also covers the skeleton and layout: see snapshot.segment_digest.
+            # The digest also covers the skeleton and layout: see digest_copy.segment_digest.
             hasher.update(segment_trailer(meta.layout.segment(name), meta.skeletons[name]))
             if hasher.hexdigest() != meta.digests.get(name):
                 raise ChecksumMismatch(

@@ -10,547 +10,53 @@ finished slot on the replication thread instead.
 With ``overlap`` (the replicator's default, ``replication.overlap_copy``) the large
 tensors that only ``optimizer.step()`` changes are copied on the replication thread
 while the loop runs the next forward and backward pass; an optimizer step pre-hook
-fences the copy before the update (:class:`PendingCopy`, ADR 0013). On GPU hosts the
-copy is issued on a side CUDA stream into pinned host memory and the same fence makes
-the compute stream wait for it. That path is behind ``device``/``pin_memory`` switches
-and is untested on this CPU-only machine.
+fences the copy before the update (:class:`~replication.overlap.PendingCopy`, ADR 0013).
+On GPU hosts the copy is issued on a side CUDA stream into pinned host memory and the
+same fence makes the compute stream wait for it. That path is behind
+``device``/``pin_memory`` switches and is untested on this CPU-only machine.
 
 When the durable tier persists snapshots (``shared_memory=True``), the slots live in
 shared memory (a memfd), so the durable writer's helper process reads a snapshot straight
-from its slot (:func:`shared_location`) and the training process copies nothing; a
-slot being read that way is *held* (:meth:`SnapshotEngine.hold`) and never overwritten
-until its reader is done.
+from its slot (:func:`~replication.slots.shared_location`) and the training process
+copies nothing; a slot being read that way is *held* (:meth:`SnapshotEngine.hold`) and
+never overwritten until its reader is done.
+
+This module is the engine that decides what is copied when, and the restore; the parts
+it is built from live beside it: the metadata (:mod:`replication.snapshot_meta`), the
+slots and their memory (:mod:`replication.slots`), the one-pass copy and checksum
+(:mod:`replication.digest_copy`) and the overlapped-copy machinery
+(:mod:`replication.overlap`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
-import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from replication import checksum, codec, streamcopy
-from replication.layout import (
-    FlatState,
-    SegmentLayout,
-    SnapshotLayout,
-    flatten,
-    tensor_views,
-    unflatten_segment,
+from replication import codec, overlap, streamcopy
+from replication.digest_copy import compute_digests, copy_and_digest, verify_segments
+from replication.layout import FlatState, SnapshotLayout, flatten, tensor_views, unflatten_segment
+from replication.overlap import (
+    DEFER_MIN_BYTES,
+    PendingCopy,
+    SnapshotTorn,
+    _fence_before_step,
+    _optimizer_owned,
+    _weak_fence,
 )
 from replication.replay_check import ReplayCheck
-from replication.state import TrainingState, local_tensor
+from replication.slots import SnapshotSlot, allocate_host, allocate_shared
+from replication.snapshot_meta import SnapshotError, SnapshotMeta
+from replication.state import TrainingState
 
 log = logging.getLogger("checkpointless.replication")
-
-
-class SnapshotError(RuntimeError):
-    """A snapshot that is missing, incomplete or fails its checksum."""
-
-
-class SnapshotTorn(SnapshotError):
-    """A tensor changed while an overlapped capture was copying it (see :class:`PendingCopy`)."""
-
-
-@dataclass(frozen=True)
-class SnapshotMeta:
-    """Everything about a snapshot except its tensor bytes; small, JSON on the wire."""
-
-    step: int
-    layout: SnapshotLayout
-    skeletons: dict[str, bytes]
-    digests: dict[str, str]  # per segment: segment_digest(its bytes, layout, skeleton)
-
-    def __post_init__(self) -> None:
-        # Every segment needs its skeleton to be restored and its digest to be verified.
-        names = {seg.name for seg in self.layout.segments}
-        if set(self.skeletons) != names or set(self.digests) != names:
-            raise SnapshotError(
-                f"snapshot metadata of step {self.step}: segments {sorted(names)}, "
-                f"skeletons {sorted(self.skeletons)}, digests {sorted(self.digests)}"
-            )
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "step": self.step,
-                "layout": self.layout.to_json(),
-                "skeletons": {k: v.decode("utf-8") for k, v in self.skeletons.items()},
-                "digests": self.digests,
-            },
-            separators=(",", ":"),
-        ).encode("utf-8")
-
-    @staticmethod
-    def from_bytes(raw: bytes) -> SnapshotMeta:
-        """Parse :meth:`to_bytes` output; anything malformed raises :class:`SnapshotError`.
-
-        The bytes may come from a faulty peer, so the checks stop every way they can be
-        wrong here rather than as a stray error deep inside a restore.
-        """
-        try:
-            data = json.loads(raw.decode("utf-8"))
-            skeletons, digests = data["skeletons"], data["digests"]
-            if not all(isinstance(v, str) for v in [*skeletons.values(), *digests.values()]):
-                raise TypeError("skeletons and digests must be strings")
-            return SnapshotMeta(
-                step=int(data["step"]),
-                layout=SnapshotLayout.from_json(data["layout"]),
-                skeletons={str(k): v.encode("utf-8") for k, v in skeletons.items()},
-                digests={str(k): v for k, v in digests.items()},
-            )
-        # ValueError covers bad UTF-8 and JSON; OverflowError: int(Infinity); RecursionError:
-        # absurdly nested JSON; TypeError includes CodecError (a malformed layout).
-        except (
-            ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError
-        ) as exc:
-            raise SnapshotError(f"malformed snapshot metadata: {exc!r}"[:300]) from None
-
-
-@dataclass
-class SnapshotSlot:
-    """One of the two host buffers, with the step and metadata it currently holds."""
-
-    index: int
-    buffer: torch.Tensor | None = None
-    layout: SnapshotLayout | None = None
-    views: list[torch.Tensor] = field(default_factory=list)
-    step: int = -1
-    skeletons: dict[str, bytes] = field(default_factory=dict)
-    digests: dict[str, str] | None = None
-    copy_done: Any = None  # a torch.cuda.Event while an async device copy is in flight
-    # wait() of a reader outside the engine that still needs the bytes (SnapshotEngine.hold)
-    hold: Callable[[], None] | None = None
-    # the part of an overlapped capture still to be copied (SnapshotEngine.seal does it)
-    pending: PendingCopy | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.step < 0
-
-    def segment_bytes(self, name: str) -> torch.Tensor:
-        assert self.buffer is not None and self.layout is not None
-        seg = self.layout.segment(name)
-        return self.buffer[seg.offset : seg.offset + seg.nbytes]
-
-    def meta(self) -> SnapshotMeta:
-        if self.digests is None or self.layout is None:
-            raise SnapshotError(f"snapshot of step {self.step} is not sealed yet")
-        return SnapshotMeta(self.step, self.layout, dict(self.skeletons), dict(self.digests))
-
-
-def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
-    """A byte buffer on the host, page-locked when a GPU will copy into it."""
-    # Zeroed once, so alignment padding is deterministic and equal states hash equal.
-    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
-@dataclass(frozen=True)
-class SharedLocation:
-    """Where a buffer from :func:`allocate_shared` lives, for another process to map it."""
-
-    fd: int  # a memfd holding the whole buffer: pass it over a Unix socket (SCM_RIGHTS)
-    offset: int  # byte offset of the tensor's first element in that file
-    key: str  # identifies the memory while it is alive (its inode), for caches elsewhere
-
-
-_shared_lock = threading.Lock()
-_shared: dict[int, tuple[int, int, str]] = {}  # base address -> (fd, bytes, key)
-
-
-def allocate_shared(nbytes: int, *, pin: bool = False) -> torch.Tensor | None:
-    """A zeroed host byte buffer another process can map, or ``None`` where impossible.
-
-    The durable writer's helper process maps the same pages (:func:`shared_location`)
-    and persists a snapshot straight from them, so the training process copies
-    nothing. The memory is an anonymous ``memfd``, not a named /dev/shm segment: it is
-    handed over as a file descriptor, so it can never be leaked by a process killed
-    with its whole process group (a name would outlive it), and a small /dev/shm (64 MB
-    in a default container) does not limit it. Its pages are reserved up front
-    (``posix_fallocate``), so a host out of memory fails here rather than with SIGBUS
-    at the first touch. The memory is freed once the returned tensor (keep it
-    referenced: slices alone do not keep the descriptor open) and every mapping of it
-    are gone. ``pin`` page-locks it for CUDA copies (``cudaHostRegister``; untested).
-    """
-    if nbytes <= 0 or not hasattr(os, "memfd_create"):
-        return None
-    try:
-        fd = os.memfd_create("checkpointless-snapshot", os.MFD_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        os.ftruncate(fd, nbytes)
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, nbytes)
-        buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes,
-                              dtype=torch.uint8)
-        key = f"memfd:{os.fstat(fd).st_dev}:{os.fstat(fd).st_ino}"
-    except (OSError, RuntimeError):
-        os.close(fd)
-        return None
-    pinned = False
-    if pin:
-        try:
-            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-            pinned = True
-        except Exception as exc:  # pragma: no cover - GPU hosts only
-            log.warning("could not page-lock a %d MB shared snapshot buffer (%r); device "
-                        "copies into it will be synchronous", nbytes >> 20, exc)
-    with _shared_lock:
-        _shared[buf.data_ptr()] = (fd, nbytes, key)
-    weakref.finalize(buf, _free_shared, fd, buf.data_ptr(), pinned)
-    return buf
-
-
-def _free_shared(fd: int, addr: int, pinned: bool) -> None:
-    with _shared_lock:
-        _shared.pop(addr, None)
-    if pinned:  # pragma: no cover - GPU hosts only
-        try:
-            torch.cuda.cudart().cudaHostUnregister(addr)
-        except Exception:
-            pass
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def shared_location(buffer: torch.Tensor) -> SharedLocation | None:
-    """Where a buffer from :func:`allocate_shared` (or a slice of one) lives; ``None``
-    for any other buffer."""
-    if buffer.device.type != "cpu":
-        return None
-    base = buffer.untyped_storage().data_ptr()
-    with _shared_lock:
-        entry = _shared.get(base)
-    if entry is None:
-        return None
-    fd, size, key = entry
-    offset = buffer.data_ptr() - base
-    if offset < 0 or offset + buffer.numel() * buffer.element_size() > size:
-        return None
-    return SharedLocation(fd, offset, key)
-
-
-def shared_keys() -> list[str]:
-    """Keys of this process's shared buffers that are still alive."""
-    with _shared_lock:
-        return [key for _, _, key in _shared.values()]
-
-
-HASH_CHUNK = 1 << 20  # bytes of source hashed, then copied from cache, at a time
-
-
-def segment_trailer(seg: SegmentLayout, skeleton: bytes) -> bytes:
-    """What a segment's checksum covers after its buffer bytes: see :func:`segment_digest`."""
-    return skeleton + b"\n" + seg.spec_bytes
-
-
-def segment_digest(seg_bytes: torch.Tensor, seg: SegmentLayout, skeleton: bytes) -> str:
-    r"""The checksum recorded for one segment in :attr:`SnapshotMeta.digests`.
-
-    Defined as the hex xxh3-128 of the segment's buffer bytes (all ``seg.nbytes``,
-    padding included, in buffer order) immediately followed by
-    :func:`segment_trailer`: the skeleton bytes (``SnapshotMeta.skeletons[name]``, its
-    UTF-8 JSON), one ``b"\n"``, then ``seg.spec_bytes`` (the compact JSON
-    ``[seg.nbytes, [[dtype, shape, offset, nbytes], ...]]``). Tensor bytes alone are
-    not enough: the skeleton holds the non-tensor state (step counters, learning
-    rates) and the layout says which bytes form which tensor, and damage to either
-    would otherwise restore silently. The trailer comes last so that a receiver can
-    stream the segment's chunks through a :class:`checksum.Hasher` as they land and
-    then ``update`` it with the trailer; compact JSON holds no raw newline, so the
-    separator keeps skeleton and layout apart.
-    """
-    hasher = checksum.Hasher()
-    hasher.update(seg_bytes)
-    hasher.update(segment_trailer(seg, skeleton))
-    return hasher.hexdigest()
-
-
-def copy_and_digest(
-    slot: SnapshotSlot,
-    flat: FlatState,
-    *,
-    streaming: bool = True,
-    already_copied: frozenset[int] = frozenset(),
-) -> dict[str, str]:
-    """Copy host tensors into ``slot`` and checksum each segment in the same pass.
-
-    A large contiguous tensor goes in :data:`HASH_CHUNK` pieces: each piece of the
-    *source* is hashed first, which brings it into cache, and is then copied from cache
-    into the slot, with streaming stores where :mod:`replication.streamcopy` has them
-    (``streaming``). So the source is read from DRAM once and the slot is never pulled
-    through the cache. Small or strided tensors are copied by torch and hashed from the
-    slot in runs of at least one chunk. The digest covers the segment's bytes in buffer
-    order, padding included, then its trailer (skeleton and layout), so it equals
-    :func:`segment_digest` of the finished buffer when the copy is right; a copy that
-    went wrong fails verification later, since the digest was taken from the source.
-
-    ``already_copied`` holds positions in ``flat.tensors`` whose bytes are in the slot
-    already (an overlapped capture copies them on the training thread, see
-    :class:`PendingCopy`): they are hashed from the slot, not copied again.
-    """
-    steps = copy_and_digest_steps(slot, flat, streaming=streaming,
-                                  already_copied=already_copied)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            return finished.value
-
-
-def copy_and_digest_steps(
-    slot: SnapshotSlot,
-    flat: FlatState,
-    *,
-    streaming: bool = True,
-    already_copied: frozenset[int] = frozenset(),
-) -> Generator[None, None, dict[str, str]]:
-    """:func:`copy_and_digest` one piece at a time: a generator that yields after each
-    chunk or small tensor and returns the digests. A copy can so be handed from one
-    thread to another between two pieces (:class:`PendingCopy`)."""
-    assert slot.buffer is not None and slot.layout is not None
-    stream = streaming and streamcopy.AVAILABLE
-    digests: dict[str, str] = {}
-    views, sources = slot.views, flat.tensors
-    i = 0
-    for seg in slot.layout.segments:
-        seg_bytes = slot.buffer[seg.offset : seg.offset + seg.nbytes]
-        hasher = checksum.Hasher()
-        hashed = 0  # the segment's bytes up to here are in the hasher
-        for spec in seg.tensors:
-            dst, src = views[i], sources[i]
-            i += 1
-            if i - 1 in already_copied or spec.nbytes <= HASH_CHUNK or not src.is_contiguous():
-                if i - 1 not in already_copied:
-                    dst.copy_(src)
-                end = spec.offset + spec.nbytes
-                if end - hashed >= HASH_CHUNK:
-                    hasher.update(seg_bytes[hashed:end])
-                    hashed = end
-                yield
-                continue
-            hasher.update(seg_bytes[hashed : spec.offset])  # pending small tensors, padding
-            src_b = src.detach().reshape(-1).view(torch.uint8)
-            src_view = checksum.tensor_bytes(src_b)
-            dst_b = seg_bytes[spec.offset : spec.offset + spec.nbytes]
-            src_at, dst_at = src_b.data_ptr(), dst_b.data_ptr()
-            for off in range(0, spec.nbytes, HASH_CHUNK):
-                n = min(HASH_CHUNK, spec.nbytes - off)
-                hasher.update(src_view[off : off + n])
-                if stream:
-                    streamcopy.copy_bytes(dst_at + off, src_at + off, n)
-                else:
-                    dst_b[off : off + n].copy_(src_b[off : off + n])
-                yield
-            hashed = spec.offset + spec.nbytes
-        hasher.update(seg_bytes[hashed:])
-        hasher.update(segment_trailer(seg, flat.skeletons[seg.name]))
-        digests[seg.name] = hasher.hexdigest()
-    return digests
-
-
-DEFER_MIN_BYTES = 64 << 10
-"""By default an overlapped capture leaves optimizer-owned tensors at least this large
-to :class:`PendingCopy`; smaller ones are copied at once (few bytes, many calls)."""
-
-
-class PendingCopy:
-    """The part of an overlapped capture copied after :meth:`SnapshotEngine.capture` returns.
-
-    It holds the large tensors owned by the state's optimizers (their parameters and
-    their state, such as Adam's moments), which nothing but ``optimizer.step()``
-    changes, so they can be copied while the loop runs the next forward and backward
-    pass. The copy (with the checksum, in one pass) advances one chunk at a time
-    (:func:`copy_and_digest_steps`), under a lock, by whichever thread runs it:
-    normally the round, on a thread at the lowest priority (``run(background=True)``);
-    otherwise the training thread at the engine's fence, before the next optimizer step
-    or restore. A fence that finds the copy unfinished takes it over: the background
-    thread gives it up at its next chunk boundary, so a starved low-priority thread
-    holds the loop up for one chunk at most, never for the rest of the copy.
-
-    Each tensor's version counter (which torch bumps on every in-place change it sees,
-    once the change is done) is recorded at capture. A tensor changed before the copy
-    finished makes a torn snapshot: :meth:`run` then raises :class:`SnapshotTorn`, so
-    the step is never committed. The check is best-effort: a change still running when
-    the copy ends is only seen at the next fence, after the step may have committed,
-    and changes through ``.data`` are never seen (ADR 0013).
-    """
-
-    def __init__(
-        self, slot: SnapshotSlot, flat: FlatState, deferred: list[int], *, streaming: bool
-    ) -> None:
-        self.slot = slot
-        self.step = slot.step
-        already = frozenset(range(len(flat.tensors))).difference(deferred)
-        self._steps: Generator[None, None, dict[str, str]] | None = copy_and_digest_steps(
-            slot, flat, streaming=streaming, already_copied=already)
-        self._watched = [(i, flat.tensors[i], flat.tensors[i]._version) for i in deferred]
-        self._turn = threading.Lock()  # held by the thread advancing the copy
-        self._wanted = threading.Event()  # a foreground caller is waiting for the copy
-        self.done = threading.Event()
-        self.digests: dict[str, str] | None = None
-        self.error: BaseException | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes copied off the training thread."""
-        return sum(t.numel() * t.element_size() for _, t, _ in self._watched)
-
-    def run(self, *, background: bool = False) -> dict[str, str] | None:
-        """Do the copy, or what is left of it, and return the digests.
-
-        ``background=True`` gives the copy up, returning ``None``, as soon as a
-        foreground caller wants it; a foreground call returns once the copy is done
-        (by whichever thread), and raises its error if it failed or is torn.
-        """
-        if not background:
-            self._wanted.set()
-        while not self.done.is_set():
-            if background and self._wanted.is_set():
-                return None
-            with self._turn:
-                if not self.done.is_set():
-                    self._advance(yield_when_wanted=background)
-        if self.error is not None:
-            raise self.error
-        return self.digests
-
-    def _advance(self, *, yield_when_wanted: bool) -> None:
-        """Copy chunks until the copy is done (or, with ``yield_when_wanted``, until a
-        foreground caller asks for it). Holds ``_turn``."""
-        assert self._steps is not None
-        try:
-            while not (yield_when_wanted and self._wanted.is_set()):
-                next(self._steps)
-        except StopIteration as finished:
-            changed = self.changed()
-            if changed:
-                self.error = SnapshotTorn(
-                    f"snapshot of step {self.step} is torn: {', '.join(changed[:3])} "
-                    "changed in place while being copied, outside optimizer.step(). "
-                    "Overlapped copies are now off for this run; to keep them off from "
-                    "the start, set replication.overlap_copy=false"
-                )
-            else:
-                self.digests = finished.value
-            self._finish()
-        except BaseException as exc:
-            self.error = exc
-            self._finish()
-
-    def _finish(self) -> None:
-        self._steps = None  # it refers to the live tensors: no reference kept
-        self.done.set()
-
-    def changed(self) -> list[str]:
-        """The tensors whose version changed since the capture, described for messages."""
-        layout = self.slot.layout
-        assert layout is not None
-        out = []
-        for i, t, version in self._watched:
-            if t._version != version:
-                out.append(_describe_tensor(layout, i))
-        return out
-
-
-def _describe_tensor(layout: SnapshotLayout, index: int) -> str:
-    """``state entry 'optim', tensor #3 (float32[2048, 2048])`` for tensor ``index``."""
-    for seg in layout.segments:
-        if index < len(seg.tensors):
-            spec = seg.tensors[index]
-            return f"state entry {seg.name!r}, tensor #{index} ({spec.dtype}{list(spec.shape)})"
-        index -= len(seg.tensors)
-    return f"tensor #{index}"
-
-
-def _optimizer_owned(state: TrainingState) -> tuple[list[torch.optim.Optimizer], set[int]]:
-    """The state's torch optimizers (registered or declared), and the addresses of the
-    host tensors they own (parameters and per-parameter state): what only their
-    ``step()`` changes."""
-    optimizers = state.optimizers()
-    owned: set[int] = set()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                owned.add(local_tensor(p.detach()).data_ptr())
-        for per_param in opt.state.values():
-            for value in per_param.values():
-                if isinstance(value, torch.Tensor):
-                    owned.add(local_tensor(value.detach()).data_ptr())
-    return optimizers, owned
-
-
-def _fence_before_step(
-    engine_ref: weakref.ReferenceType[SnapshotEngine],
-    _optimizer: torch.optim.Optimizer,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """An optimizer step pre-hook: fence the engine's pending copy before any update.
-
-    A step given a closure runs the forward and backward pass inside ``step()``
-    (Lightning's automatic optimization does), after this hook: the closure is wrapped
-    so that the fence comes after it, right before the update, and the copy still
-    overlaps the forward and backward pass.
-    """
-    engine = engine_ref()
-    if engine is None or (engine.pending is None
-                          and all(slot.copy_done is None for slot in engine.slots)):
-        return None
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if not callable(closure):
-        engine.fence()
-        return None
-
-    def fenced_closure() -> Any:
-        result = closure()
-        engine.fence()
-        return result
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": fenced_closure}
-    return (args[0], fenced_closure, *args[2:]), kwargs
-
-
-def compute_digests(
-    buffer: torch.Tensor, layout: SnapshotLayout, skeletons: dict[str, bytes]
-) -> dict[str, str]:
-    """Per-segment checksums (:func:`segment_digest`) of a host buffer and its skeletons."""
-    return {
-        s.name: segment_digest(buffer[s.offset : s.offset + s.nbytes], s, skeletons[s.name])
-        for s in layout.segments
-    }
-
-
-def verify_segments(
-    buffer: torch.Tensor, meta: SnapshotMeta, names: list[str] | None = None
-) -> None:
-    """Raise :class:`checksum.ChecksumMismatch` naming the first corrupted segment.
-
-    Each segment's bytes, skeleton and layout are checked (:func:`segment_digest`).
-    """
-    for seg in meta.layout.segments:
-        if names is not None and seg.name not in names:
-            continue
-        got = segment_digest(
-            buffer[seg.offset : seg.offset + seg.nbytes], seg, meta.skeletons[seg.name]
-        )
-        if got != meta.digests.get(seg.name):
-            raise checksum.ChecksumMismatch(
-                f"snapshot of step {meta.step}: segment {seg.name!r} checksum {got} "
-                f"!= recorded {meta.digests.get(seg.name)}"
-            )
 
 
 def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta,
@@ -576,47 +82,6 @@ def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: Snapsh
                 f"snapshot of step {meta.step}: segment {seg.name!r} cannot be decoded: {exc}"
             ) from None
     state.restore(states)
-
-
-COPY_NICE = 19
-"""The nice value of the thread that does an overlapped copy (the lowest priority)."""
-
-
-def run_niced(fn: Callable[[], Any]) -> None:
-    """Run ``fn`` on a new thread at nice :data:`COPY_NICE` and wait for it; its result
-    and any exception are dropped (:meth:`PendingCopy.run` keeps them).
-
-    An overlapped copy competes with the training step for cores. Where a core is idle
-    (most GPU hosts) the scheduler runs it there at once; where every core is busy (the
-    2-core CI host, two ranks) it takes only the step's idle moments, such as waits in
-    collectives, and the rest when the optimizer step's fence blocks the training thread
-    on it. Measured in ``bench_snapshot``: ADR 0013. Linux sets nice per thread; a
-    fresh thread may always lower its own priority, so no privilege is needed, and the
-    thread ends with the copy, so nothing has to raise it again. Elsewhere the call
-    fails and the copy runs at normal priority.
-    """
-
-    def body() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COPY_NICE)
-        with contextlib.suppress(BaseException):
-            fn()
-
-    worker = threading.Thread(target=body, name="checkpointless-copy", daemon=True)
-    worker.start()
-    worker.join()
-
-
-def _weak_fence(engine: SnapshotEngine) -> Callable[[], None]:
-    """``engine.fence`` without keeping the engine alive (a restore guard on its state)."""
-    ref = weakref.ref(engine)
-
-    def guard() -> None:
-        live = ref()
-        if live is not None:
-            live.fence()
-
-    return guard
 
 
 class SnapshotEngine:
@@ -871,7 +336,8 @@ class SnapshotEngine:
         pending = slot.pending
         if pending is not None:
             if low_priority:
-                run_niced(lambda: pending.run(background=True))
+                # looked up on the module at call time, so a test can stand in for it
+                overlap.run_niced(lambda: pending.run(background=True))
             digests = pending.run()  # the digests, or the copy's error
             with self._lock:
                 # A round abandoned in a recovery may get here after the slot was

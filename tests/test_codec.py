@@ -17,14 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from replication import checksum, codec
+from replication.digest_copy import compute_digests
 from replication.layout import flatten, unflatten_segment
-from replication.snapshot import (
-    SnapshotEngine,
-    SnapshotError,
-    SnapshotMeta,
-    compute_digests,
-    restore_from_buffer,
-)
+from replication.snapshot import SnapshotEngine, restore_from_buffer
+from replication.snapshot_meta import SnapshotError, SnapshotMeta
 from replication.state import TrainingState
 from tests.helpers.training import Holder, assert_tree_equal
 

@@ -34,7 +34,8 @@ from replication.config import MemoryConfig, ReplicationConfig
 from replication.durable import DurableWriter, list_checkpoints, load, read_snapshot
 from replication.memory import MemoryBudgetError, MemoryPlan
 from replication.replicator import Replicator
-from replication.snapshot import SnapshotEngine, shared_keys, shared_location
+from replication.slots import shared_keys, shared_location
+from replication.snapshot import SnapshotEngine
 from replication.state import TrainingState
 from tests.helpers.training import Holder, assert_tree_equal
 from tests.test_durable_support import config, make_state, snapshot, train

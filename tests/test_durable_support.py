@@ -22,7 +22,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from replication.config import PersistenceConfig
 from replication.durable import DurableWriter, SaveResult
-from replication.snapshot import SnapshotEngine, SnapshotMeta
+from replication.snapshot import SnapshotEngine
+from replication.snapshot_meta import SnapshotMeta
 from replication.state import TrainingState
 from tests.helpers.training import LoopState, make_model, seed_all, train_step
 

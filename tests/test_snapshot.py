@@ -18,14 +18,10 @@ import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 from replication import checksum, codec
+from replication.digest_copy import compute_digests, segment_trailer, verify_segments
 from replication.replicas import ReplicaStore
-from replication.snapshot import (
-    SnapshotEngine,
-    SnapshotError,
-    compute_digests,
-    segment_trailer,
-    verify_segments,
-)
+from replication.snapshot import SnapshotEngine
+from replication.snapshot_meta import SnapshotError
 from replication.state import TrainingState
 from tests.helpers.training import (
     assert_tree_equal,

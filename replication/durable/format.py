@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from replication import checksum, codec
+from replication.digest_copy import segment_trailer
 from replication.layout import SegmentLayout
-from replication.snapshot import SnapshotError, SnapshotMeta, segment_trailer
+from replication.snapshot_meta import SnapshotError, SnapshotMeta
 
 FORMAT = "checkpointless.durable"
 FORMAT_VERSION = 1

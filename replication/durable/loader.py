@@ -29,6 +29,7 @@ import torch
 
 from replication import codec
 from replication.checksum import ChecksumMismatch
+from replication.digest_copy import segment_digest
 from replication.durable.catalog import (
     CheckpointInfo,
     ensure_intact,
@@ -45,7 +46,7 @@ from replication.durable.format import (
 )
 from replication.durable.storage import resolve
 from replication.layout import segment_views, unflatten_segment
-from replication.snapshot import SnapshotMeta, segment_digest
+from replication.snapshot_meta import SnapshotMeta
 from replication.state import TrainingState
 
 log = logging.getLogger("checkpointless.durable")

@@ -32,6 +32,7 @@ import torch
 
 from replication import codec
 from replication.checksum import ChecksumMismatch
+from replication.digest_copy import verify_segments
 from replication.durable import catalog
 from replication.durable.format import (
     MANIFEST,
@@ -60,7 +61,7 @@ from replication.durable.storage import (
     write_atomic,
     write_plain,
 )
-from replication.snapshot import SnapshotError, SnapshotMeta, verify_segments
+from replication.snapshot_meta import SnapshotError, SnapshotMeta
 
 log = logging.getLogger("checkpointless.durable")
 

@@ -398,7 +398,7 @@ def serve(conn: Connection) -> None:
         torch.serialization.set_crc32_options(False)
     import replication.durable.dcp_io  # noqa: F401  (DCP is slow to import: before ready)
     from replication.durable.saver import RankSaver
-    from replication.snapshot import SnapshotMeta
+    from replication.snapshot_meta import SnapshotMeta
 
     saver = RankSaver(SaverSettings(**settings))
     jobs: queue.Queue = queue.Queue()

@@ -10,7 +10,7 @@ and returns at once with a :class:`PersistTicket`. The handshake:
 
   * zero-copy (``zero_copy=True``, what the runtime uses): the helper process reads
     the snapshot straight from its slot, which the snapshot engine allocated in
-    shared memory (:func:`~replication.snapshot.shared_location`; the descriptor is
+    shared memory (:func:`~replication.slots.shared_location`; the descriptor is
     passed to the helper), and checks it against the snapshot's digests itself
     before committing. The training process does no work for the save; ``released``
     fires when the save is over, so the caller needs a spare slot (the runtime's
@@ -58,6 +58,7 @@ import torch
 
 from replication.checksum import ChecksumMismatch, Hasher
 from replication.config import PersistenceConfig
+from replication.digest_copy import segment_trailer
 from replication.durable.format import persisted_digests, with_digests
 from replication.durable.history import HistoryRow, HistoryWriter
 from replication.durable.saver import (
@@ -72,13 +73,8 @@ from replication.durable.saver import (
     SaverSettings,
     unverified,
 )
-from replication.snapshot import (
-    SnapshotError,
-    SnapshotMeta,
-    segment_trailer,
-    shared_keys,
-    shared_location,
-)
+from replication.slots import shared_keys, shared_location
+from replication.snapshot_meta import SnapshotError, SnapshotMeta
 
 log = logging.getLogger("checkpointless.durable")
 

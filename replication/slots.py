@@ -1,0 +1,162 @@
+"""The host buffers snapshots live in: the slots, and where their memory comes from.
+
+A snapshot is copied into a buffer that already exists, since allocation is several
+times slower than the copy; :class:`SnapshotSlot` is one such buffer with the step and
+metadata it holds. When the durable tier persists snapshots, the buffers live in
+shared memory (:func:`allocate_shared`, a memfd), so the durable writer's helper
+process reads a snapshot straight from its slot (:func:`shared_location`) and the
+training process copies nothing. Which slot a capture takes, and when, is the engine's
+business (:mod:`replication.snapshot`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from replication.layout import SnapshotLayout
+from replication.snapshot_meta import SnapshotError, SnapshotMeta
+
+if TYPE_CHECKING:
+    from replication.overlap import PendingCopy
+
+log = logging.getLogger("checkpointless.replication")
+
+
+@dataclass
+class SnapshotSlot:
+    """One of the two host buffers, with the step and metadata it currently holds."""
+
+    index: int
+    buffer: torch.Tensor | None = None
+    layout: SnapshotLayout | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+    step: int = -1
+    skeletons: dict[str, bytes] = field(default_factory=dict)
+    digests: dict[str, str] | None = None
+    copy_done: Any = None  # a torch.cuda.Event while an async device copy is in flight
+    # wait() of a reader outside the engine that still needs the bytes (SnapshotEngine.hold)
+    hold: Callable[[], None] | None = None
+    # the part of an overlapped capture still to be copied (SnapshotEngine.seal does it)
+    pending: PendingCopy | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.step < 0
+
+    def segment_bytes(self, name: str) -> torch.Tensor:
+        assert self.buffer is not None and self.layout is not None
+        seg = self.layout.segment(name)
+        return self.buffer[seg.offset : seg.offset + seg.nbytes]
+
+    def meta(self) -> SnapshotMeta:
+        if self.digests is None or self.layout is None:
+            raise SnapshotError(f"snapshot of step {self.step} is not sealed yet")
+        return SnapshotMeta(self.step, self.layout, dict(self.skeletons), dict(self.digests))
+
+
+def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A byte buffer on the host, page-locked when a GPU will copy into it."""
+    # Zeroed once, so alignment padding is deterministic and equal states hash equal.
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+@dataclass(frozen=True)
+class SharedLocation:
+    """Where a buffer from :func:`allocate_shared` lives, for another process to map it."""
+
+    fd: int  # a memfd holding the whole buffer: pass it over a Unix socket (SCM_RIGHTS)
+    offset: int  # byte offset of the tensor's first element in that file
+    key: str  # identifies the memory while it is alive (its inode), for caches elsewhere
+
+
+_shared_lock = threading.Lock()
+_shared: dict[int, tuple[int, int, str]] = {}  # base address -> (fd, bytes, key)
+
+
+def allocate_shared(nbytes: int, *, pin: bool = False) -> torch.Tensor | None:
+    """A zeroed host byte buffer another process can map, or ``None`` where impossible.
+
+    The durable writer's helper process maps the same pages (:func:`shared_location`)
+    and persists a snapshot straight from them, so the training process copies
+    nothing. The memory is an anonymous ``memfd``, not a named /dev/shm segment: it is
+    handed over as a file descriptor, so it can never be leaked by a process killed
+    with its whole process group (a name would outlive it), and a small /dev/shm (64 MB
+    in a default container) does not limit it. Its pages are reserved up front
+    (``posix_fallocate``), so a host out of memory fails here rather than with SIGBUS
+    at the first touch. The memory is freed once the returned tensor (keep it
+    referenced: slices alone do not keep the descriptor open) and every mapping of it
+    are gone. ``pin`` page-locks it for CUDA copies (``cudaHostRegister``; untested).
+    """
+    if nbytes <= 0 or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        fd = os.memfd_create("checkpointless-snapshot", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, nbytes)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes,
+                              dtype=torch.uint8)
+        key = f"memfd:{os.fstat(fd).st_dev}:{os.fstat(fd).st_ino}"
+    except (OSError, RuntimeError):
+        os.close(fd)
+        return None
+    pinned = False
+    if pin:
+        try:
+            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            pinned = True
+        except Exception as exc:  # pragma: no cover - GPU hosts only
+            log.warning("could not page-lock a %d MB shared snapshot buffer (%r); device "
+                        "copies into it will be synchronous", nbytes >> 20, exc)
+    with _shared_lock:
+        _shared[buf.data_ptr()] = (fd, nbytes, key)
+    weakref.finalize(buf, _free_shared, fd, buf.data_ptr(), pinned)
+    return buf
+
+
+def _free_shared(fd: int, addr: int, pinned: bool) -> None:
+    with _shared_lock:
+        _shared.pop(addr, None)
+    if pinned:  # pragma: no cover - GPU hosts only
+        try:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        except Exception:
+            pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def shared_location(buffer: torch.Tensor) -> SharedLocation | None:
+    """Where a buffer from :func:`allocate_shared` (or a slice of one) lives; ``None``
+    for any other buffer."""
+    if buffer.device.type != "cpu":
+        return None
+    base = buffer.untyped_storage().data_ptr()
+    with _shared_lock:
+        entry = _shared.get(base)
+    if entry is None:
+        return None
+    fd, size, key = entry
+    offset = buffer.data_ptr() - base
+    if offset < 0 or offset + buffer.numel() * buffer.element_size() > size:
+        return None
+    return SharedLocation(fd, offset, key)
+
+
+def shared_keys() -> list[str]:
+    """Keys of this process's shared buffers that are still alive."""
+    with _shared_lock:
+        return [key for _, _, key in _shared.values()]
