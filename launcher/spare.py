@@ -100,14 +100,14 @@ def install_worker_hooks() -> None:
     """Import hooks every worker needs before its script runs (fresh or spare).
 
     - ``torch.distributed.init_process_group`` builds the runtime's own process group
-      (:func:`recovery.elastic_group.install_init_hook`), whatever backend the script
+      (:func:`recovery.elastic_init.install_init_hook`), whatever backend the script
       names, so DDP, FSDP2 and the script's own collectives survive recoveries;
     - ``Trainer(strategy="checkpointless")`` registers itself the moment the script
       imports Lightning (:mod:`recovery.integrations.autoload`), so scripts need no import.
     """
-    from recovery import elastic_group
+    from recovery import elastic_init
 
-    elastic_group.install_init_hook()
+    elastic_init.install_init_hook()
     try:
         from recovery.integrations import autoload
 

@@ -24,25 +24,24 @@ check) completes collectives *locally*: nobody else is there to answer, and all 
 they could compute is overwritten by the state the replacement receives when it joins.
 They are counted (``Controller.local_collectives``) and reported.
 
-Under ``checkpointless run`` :func:`install_init_hook` makes
+Under ``checkpointless run`` :func:`recovery.elastic_init.install_init_hook` makes
 ``torch.distributed.init_process_group`` build this group whatever backend the script
 names ("gloo", "nccl", "cpu:gloo,cuda:nccl" or none), so scripts written for
 ``torchrun`` run unchanged. See ``docs/adr/0015-owned-process-group.md``.
+
+This module is the group itself: dispatch to the inner backend, and the local
+completion of a process that has not joined. The works it hands out are in
+:mod:`recovery.elastic_work`, the binding of every group to a generation in
+:mod:`recovery.elastic_controller`.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import hashlib
-import inspect
-import os
-import queue
 import threading
-import time
-import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -59,149 +58,19 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from recovery.errors import FailureDetected
-from recovery.protocol import gen_prefix
-from replication.abortable_gloo import AbortableGloo
+from recovery.elastic_work import (
+    CollectiveAborted,
+    _as_failure,
+    _completed,
+    _Op,
+    _Work,
+    _WorkWaiter,
+)
+
+if TYPE_CHECKING:
+    from recovery.elastic_controller import Controller, _Inner
 
 BACKEND_NAME = "checkpointless"
-_INNER_DEFAULT = {"cpu": "gloo", "cuda": "nccl"}
-
-
-class CollectiveAborted(FailureDetected):
-    """A collective was failed on purpose: a failure was declared somewhere in the job."""
-
-
-def _unwrap(trigger: torch.futures.Future) -> Any:
-    ok, value = trigger.value()
-    if not ok:
-        raise value
-    return value
-
-
-class _Op:
-    """One collective in flight: the work we handed out and the inner work behind it.
-
-    ``future`` is a ``then`` child of a private trigger: completing the trigger with an
-    error makes the callback raise, which fails ``future`` in C++ terms. (Python's
-    ``Future.set_exception`` would instead store the exception as the *result*, which
-    DDP's reducer then reads as its gradient bucket: a segfault in torch 2.13.)
-    """
-
-    __slots__ = ("done", "error", "future", "inner", "lock", "trigger")
-
-    def __init__(self) -> None:
-        self.trigger: torch.futures.Future = torch.futures.Future()
-        self.future: torch.futures.Future = self.trigger.then(_unwrap)
-        self.inner: Any = None
-        self.lock = threading.Lock()
-        self.done = False
-        self.error: BaseException | None = None
-
-    def finish(self, value: Any = None, error: BaseException | None = None) -> bool:
-        with self.lock:
-            if self.done:
-                return False
-            self.done = True
-            self.error = error
-        self.trigger.set_result((error is None, error if error is not None else value))
-        return True
-
-
-class _Work(dist.Work):
-    """The work handed to callers: its future is ours, so it can be failed at will.
-
-    (``torch._C._distributed_c10d._create_work_from_future`` would be shorter, but its
-    ``wait()`` returns normally on a failed future: a blocking ``dist.all_reduce``
-    would then succeed silently with the tensor unreduced. Measured on torch 2.13.)
-    """
-
-    def __init__(self, op: _Op) -> None:
-        super().__init__()
-        self._op = op
-        self._future = op.future
-
-    def wait(self, timeout: Any = None) -> bool:
-        try:
-            self._future.wait()
-        except Exception:
-            if self._op.error is not None:  # the error itself, not torch's wrapping of it
-                raise self._op.error from None
-            raise
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def result(self) -> Any:
-        return self._future.wait()
-
-
-def _completed(value: Any) -> Any:
-    op = _Op()
-    op.finish(value)
-    return _Work(op)
-
-
-class _Inner:
-    """A generation's inner backend for one device type, abortable."""
-
-    def __init__(self, kind: str, backend: Any, gloo: AbortableGloo | None) -> None:
-        self.kind = kind
-        self.backend = backend
-        self.gloo = gloo
-
-    def abort(self) -> None:
-        if self.gloo is not None:
-            self.gloo.abort()
-        else:  # pragma: no cover - NCCL needs GPUs (untested here)
-            try:
-                self.backend.abort()
-            except Exception:
-                pass
-
-
-class _WorkWaiter:
-    """Futures for inner works that have none (gloo's ``_reduce_scatter_base``): one
-    thread per group waits on each in turn, in issue order, as the backend runs them."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[Any, torch.futures.Future]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def watch(self, work: Any) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((work, fut))
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name,
-                                                daemon=True)
-                self._thread.start()
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            work, fut = self._queue.get()
-            try:
-                work.wait()  # an aborted generation's work ends at once (sockets shut)
-            except Exception as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
-            del work, fut
 
 
 def _gathered_alone(outputs: list[list[torch.Tensor]],
@@ -607,285 +476,5 @@ class ElasticProcessGroup(dist.ProcessGroup):
             i.backend = None
 
 
-def _as_failure(exc: BaseException) -> BaseException:
-    """An inner backend's error (a peer's socket closed) as a :class:`FailureDetected`."""
-    if isinstance(exc, FailureDetected):
-        return exc
-    return CollectiveAborted(f"checkpointless: collective failed: {exc}")
-
-
-class Controller:
-    """Binds every :class:`ElasticProcessGroup` of this process to one generation."""
-
-    def __init__(self) -> None:
-        self.store: dist.Store | None = None
-        self.timeout_s = 60.0
-        self.inner_backends: dict[str, str] = {"cpu": "gloo"}
-        self.ordered_allreduce = True
-        self.gen: int | None = None
-        self.failure: str | None = None  # why collectives fail now, until activate()
-        self.epoch = 0  # bumped by every fail(): a bind that raced with one is void
-        self.local_collectives = 0
-        self._groups: list[weakref.ref[ElasticProcessGroup]] = []
-        self._lock = threading.Lock()
-        self._graveyard: list[tuple[list[_Inner], list[Any]]] = []
-        self._made_in_gen: dict[str, int] = {}
-        self.on_retire_stuck: Callable[[Any], None] | None = None
-
-    def configure(self, store: dist.Store, timeout_s: float,
-                  inner_backends: dict[str, str] | None = None) -> None:
-        self.store = store
-        self.timeout_s = timeout_s
-        if inner_backends:
-            self.inner_backends = dict(inner_backends)
-
-    def groups(self) -> list[ElasticProcessGroup]:
-        with self._lock:
-            alive = [g for g in (ref() for ref in self._groups)
-                     if g is not None and not g.closed]
-            self._groups = [weakref.ref(g) for g in alive]
-        return sorted(alive, key=lambda g: g.bind_key)  # one order on every member
-
-    def create(self, opts: Any, _backend_options: Any = None) -> ElasticProcessGroup:
-        """The creator torch calls for ``backend="checkpointless"`` (extended API).
-
-        Members meet under a key made of the group's ranks and how many open groups of
-        the same ranks this process already has. torch's own name counts every group
-        ever made: a replacement that re-runs the script's set-up, or survivors that
-        re-enter a loop which makes and destroys a group each time (Lightning's
-        ``prepare_data`` barrier), would disagree on it and wait for each other forever.
-        """
-        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-        same = sum(1 for g in self.groups() if g._global_ranks == ranks)
-        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
-        timeout = getattr(opts, "timeout", None)
-        group = ElasticProcessGroup(
-            self, opts.group_rank, opts.group_size, ranks, str(opts.group_id),
-            bind_key=f"{digest}.{same}",
-            timeout_s=timeout.total_seconds() if timeout is not None else None)
-        with self._lock:
-            self._groups.append(weakref.ref(group))
-        if self.failure is not None:
-            group._failure = self.failure
-        elif self.gen is not None:
-            # A group made mid-generation: every member makes it now. Count the ones made
-            # under this key since the generation began (the same count on every member).
-            with self._lock:
-                nonce = self._made_in_gen[group.bind_key] = \
-                    self._made_in_gen.get(group.bind_key, 0) + 1
-            group._bind(self.gen, nonce)
-        return group
-
-    def make_inner(self, group: ElasticProcessGroup, gen: int, device: str,
-                   kind: str, nonce: int = 0) -> _Inner:
-        assert self.store is not None, "Controller.configure() first"
-        store = dist.PrefixStore(f"{gen_prefix(gen)}/pg/{group.bind_key}.{nonce}/{device}",
-                                 self.store)
-        timeout_s = group.timeout_s or self.timeout_s
-        if kind == "gloo":
-            gloo = AbortableGloo.create(store, group._rank, group._size, timeout_s)
-            return _Inner(kind, gloo.backend, gloo)
-        if kind == "nccl":  # pragma: no cover - needs GPUs (untested here)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=timeout_s)
-            backend = dist.ProcessGroupNCCL(store, group._rank, group._size, opts)
-            return _Inner(kind, backend, None)
-        raise ValueError(f"checkpointless: unsupported inner backend {kind!r} for {device}")
-
-    def activate(self, gen: int) -> None:
-        """Bind every group to generation ``gen`` (collective: all ranks call it)."""
-        self.gen, self.failure = gen, None
-        with self._lock:
-            self._made_in_gen = {}
-        for group in self.groups():  # sorted by bind key: the same order on every member
-            group._bind(gen)
-        self._reap()
-
-    def fail(self, reason: str) -> None:
-        """A failure was declared: fail pending collectives and abort the inner groups."""
-        self.failure = reason
-        self.epoch += 1
-        for group in self.groups():
-            group._fail(reason)
-
-    def retire(self, inner: list[_Inner], works: list[Any]) -> None:
-        """Abort ``inner`` and free it once ``works`` ended (at once, normally)."""
-        if not inner:
-            return
-        for i in inner:
-            i.abort()
-        with self._lock:
-            self._graveyard.append((inner, works))
-        self._reap()
-
-    def _reap(self) -> None:
-        with self._lock:
-            graves, self._graveyard = self._graveyard, []
-        keep = []
-        for inner, works in graves:
-            if all(w.is_completed() for w in works):
-                for i in inner:
-                    if i.gloo is not None:
-                        i.gloo.release()
-                    i.backend = None
-            else:
-                keep.append((inner, works))
-        with self._lock:
-            self._graveyard.extend(keep)
-
-    def holding(self) -> bool:
-        """True while a retired inner backend still has an operation running."""
-        self._reap()
-        with self._lock:
-            return bool(self._graveyard)
-
-    def wait_released(self, wait_s: float = 5.0) -> bool:
-        """Wait until every retired inner backend is freed; False if one is stuck."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            self._reap()
-            with self._lock:
-                if not self._graveyard:
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-
-
-_controller = Controller()
-_registered = False
-
-
-def controller() -> Controller:
-    return _controller
-
-
-def register_backend() -> None:
-    """Make ``backend="checkpointless"`` known to ``torch.distributed`` (idempotent)."""
-    global _registered
-    if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
-        _registered = True
-        return
-    dist.Backend.register_backend(BACKEND_NAME, _controller.create, extended_api=True,
-                                  devices=["cpu", "cuda"])
-    _registered = True
-
-
 def is_owned(group: Any) -> bool:
     return isinstance(group, ElasticProcessGroup)
-
-
-def inner_backends_for(backend: str | None) -> dict[str, str]:
-    """``init_process_group``'s backend argument as device -> inner backend."""
-    if backend is None or backend in ("", BACKEND_NAME, "undefined"):
-        kinds = dict(_INNER_DEFAULT)
-        if not torch.cuda.is_available():
-            kinds.pop("cuda")
-        return kinds
-    text = str(backend).lower()
-    if ":" in text:
-        pairs = dict(part.split(":", 1) for part in text.split(","))
-        return {dev.strip(): kind.strip() for dev, kind in pairs.items()}
-    if text == "nccl":
-        return {"cpu": "gloo", "cuda": "nccl"}
-    if text == "gloo":
-        return {"cpu": "gloo"}
-    raise ValueError(f"checkpointless: backend {backend!r} is not supported "
-                     "(gloo, nccl or cpu:gloo,cuda:nccl)")
-
-
-_original_init: Callable[..., Any] | None = None
-
-
-def install_init_hook(environ: dict[str, str] | None = None) -> None:
-    """Route ``torch.distributed.init_process_group`` to the owned group.
-
-    Installed only in workers started by ``checkpointless run``. The script's backend
-    name picks the inner backends; its ``init_method``/``store`` are not used (the job
-    store is), and a ``rank``/``world_size`` that disagrees with the launcher is refused.
-    """
-    global _original_init
-    register_backend()
-    if _original_init is not None:
-        return
-    _original_init = dist.init_process_group
-    original = _original_init
-
-    @functools.wraps(original)
-    def init_process_group(backend: str | None = None, init_method: str | None = None,
-                           timeout: datetime.timedelta | None = None,
-                           world_size: int = -1, rank: int = -1, store: Any = None,
-                           **kwargs: Any) -> None:
-        env = dict(os.environ if environ is None else environ)
-        want_rank, want_world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-        if (rank not in (-1, want_rank)) or (world_size not in (-1, want_world)):
-            raise ValueError(
-                f"checkpointless: init_process_group(rank={rank}, world_size={world_size}) "
-                f"disagrees with the launcher (rank {want_rank} of {want_world}); "
-                "leave rank and world_size out under `checkpointless run`")
-        join_default_group(want_rank, want_world, inner_backends_for(backend),
-                           timeout.total_seconds() if timeout else None, env, **kwargs)
-
-    dist.init_process_group = init_process_group
-    dist.distributed_c10d.init_process_group = init_process_group
-    _install_new_group_hook()
-
-
-def _install_new_group_hook() -> None:
-    """``new_group(backend="gloo")`` (Lightning's ``prepare_data`` barrier, libraries
-    that want a CPU side group) makes an owned group too, once the default one is.
-
-    A plain gloo group would rendezvous through the default group's store, which is
-    this process's alone, and hang; it would also outlive a failure unaborted.
-    """
-    original = dist.distributed_c10d.new_group
-    signature = inspect.signature(original)
-    if "backend" not in signature.parameters:  # pragma: no cover - another torch
-        return
-
-    @functools.wraps(original)
-    def new_group(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs)
-        backend = bound.arguments.get("backend")
-        if backend is not None and str(backend).lower() != BACKEND_NAME and \
-                dist.is_initialized() and is_owned(dist.distributed_c10d._get_default_group()):
-            bound.arguments["backend"] = None  # inherit the default: checkpointless
-            bound.arguments.pop("pg_options", None)
-        return original(*bound.args, **bound.kwargs)
-
-    dist.new_group = new_group
-    dist.distributed_c10d.new_group = new_group
-
-
-def join_default_group(rank: int, world_size: int, inner: dict[str, str],
-                       timeout_s: float | None, env: dict[str, str] | None = None,
-                       **kwargs: Any) -> None:
-    """Create the default (WORLD) group as an :class:`ElasticProcessGroup`.
-
-    Under the launcher it binds to generation 0 at once when this process starts the
-    job; a replacement (or a process that finds a later generation) stays unbound until
-    the runtime joins it to the current generation.
-    """
-    from recovery import protocol
-    from recovery.env import WorkerEnv
-    from recovery.settings import RuntimeSettings
-
-    register_backend()
-    wenv = WorkerEnv.from_environ(env)
-    settings = RuntimeSettings.from_json(wenv.config_json) if wenv.config_json \
-        else RuntimeSettings()
-    ctl = _controller
-    ctl.ordered_allreduce = settings.recovery.ordered_allreduce
-    if ctl.store is None:
-        ctl.configure(wenv.connect_store(), timeout_s or settings.recovery.collective_timeout_s,
-                      inner)
-    else:
-        ctl.inner_backends = dict(inner)
-    starting = not wenv.replacement and protocol.current_generation(ctl.store) == 0
-    original = _original_init or dist.init_process_group
-    kwargs.pop("device_id", None)  # the inner NCCL group binds lazily
-    original(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size,
-             timeout=datetime.timedelta(seconds=ctl.timeout_s), **kwargs)
-    if starting and ctl.gen is None:
-        ctl.activate(0)
-

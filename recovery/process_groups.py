@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recovery import elastic_group
+from recovery import elastic_controller, elastic_group, elastic_init
 
 _graveyard: list[tuple[float, Any]] = []
 _reaper: threading.Thread | None = None
@@ -40,18 +40,18 @@ def setup_training_group(
     """Bind the default process group to generation ``gen``, creating it if needed.
 
     A script that called ``init_process_group`` under ``checkpointless run`` already has
-    the owned group (:func:`recovery.elastic_group.install_init_hook`); otherwise the
+    the owned group (:func:`recovery.elastic_init.install_init_hook`); otherwise the
     runtime creates it here with ``backend`` as the inner backend. Returns True when
     it created the group (then the runtime destroys it at the end, not the script).
     """
-    ctl = elastic_group.controller()
+    ctl = elastic_controller.controller()
     ctl.ordered_allreduce = ordered_allreduce
     if ctl.store is None:
-        ctl.configure(store, timeout_s, elastic_group.inner_backends_for(backend))
+        ctl.configure(store, timeout_s, elastic_init.inner_backends_for(backend))
     created = not dist.is_initialized()
     if created:
-        elastic_group.register_backend()
-        original = elastic_group._original_init or dist.init_process_group
+        elastic_controller.register_backend()
+        original = elastic_init._original_init or dist.init_process_group
         original(elastic_group.BACKEND_NAME, store=dist.HashStore(), rank=rank,
                  world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     elif not elastic_group.is_owned(dist.group.WORLD) and world_size > 1:
@@ -65,7 +65,7 @@ def setup_training_group(
 
 def fail_training_groups(reason: str, wait_s: float = 5.0) -> None:
     """Fail every collective in flight on the owned groups and free their backends."""
-    ctl = elastic_group.controller()
+    ctl = elastic_controller.controller()
     ctl.fail(reason)
     ctl.wait_released(wait_s)
 
@@ -191,7 +191,7 @@ def holding() -> bool:
     with _graveyard_lock:
         if _graveyard:
             return True
-    return elastic_group.controller().holding()
+    return elastic_controller.controller().holding()
 
 
 def _reap_loop() -> None:

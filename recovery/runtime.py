@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from recovery import auth, elastic_group, process_groups, protocol, user_errors
+from recovery import auth, elastic_controller, process_groups, protocol, user_errors
 from recovery.durable_restore import agree_and_read
 from recovery.env import WorkerEnv
 from recovery.errors import FailureDetected, Fenced, InjectedFault, RecoveryImpossible
@@ -118,7 +118,7 @@ class Checkpointless:
         self.watchdog = Watchdog(
             self._connect_store() if self.env.launched else self.store,
             self.env.heartbeat_file, rec.heartbeat_interval_s,
-            on_failure=lambda g: elastic_group.controller().fail(
+            on_failure=lambda g: elastic_controller.controller().fail(
                 f"generation {g} was declared (a failure elsewhere in the job)"),
         )
         self.gen = protocol.current_generation(self.store)
@@ -588,7 +588,7 @@ class Checkpointless:
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
                 "transfer_parts": self._transfer_parts,
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
-                "local_collectives": elastic_group.controller().local_collectives,
+                "local_collectives": elastic_controller.controller().local_collectives,
                 "recovered_at": t_done}
         self.log.emit("recovery", rank=self.rank, **info)
         self._resumed_from = info

@@ -5,7 +5,7 @@ SIGSTOPped process stops touching it, which is how hangs are caught), and it pol
 job's generation counter, so a failure declared anywhere reaches this rank even while
 its main thread computes and is not inside a collective that would fail. The moment it
 sees a newer generation it calls ``on_failure`` (the runtime fails every collective in
-flight there, :meth:`recovery.elastic_group.Controller.fail`), so a survivor blocked in
+flight there, :meth:`recovery.elastic_controller.Controller.fail`), so a survivor blocked in
 anybody's collective is released within one poll, not at the collective timeout.
 """
 
