@@ -2,10 +2,12 @@
 
 A snapshot's integrity rests on one definition, :func:`segment_digest`, which the
 capture, the side channel, the durable tier and every restore must agree on, so it
-lives here with the only fast way to produce it: :func:`copy_and_digest`, which hashes
-each chunk of a live tensor while it is in cache and then copies it into the slot, so
-the source is read from DRAM once. :func:`copy_and_digest_steps` is the same kernel cut
-into pieces, for a copy that another thread may take over (:mod:`replication.overlap`).
+lives in one place, with every way of producing or checking it: :func:`copy_and_digest`
+hashes each chunk of a live tensor while it is in cache and then copies it into the
+slot, so the source is read from DRAM once (:func:`copy_and_digest_steps` is the same
+kernel cut into pieces, for a copy another thread may take over, see
+:mod:`replication.overlap`); :func:`compute_digests` and :func:`verify_segments` hash a
+buffer that is already written.
 """
 
 from __future__ import annotations
