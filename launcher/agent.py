@@ -38,8 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from launcher import reaper, worker_output
-from launcher import rendezvous as rdzv
+from launcher import job_store, liveness, membership, reaper, worker_output
 from launcher.config import CheckpointlessConfig, config_to_json
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
@@ -117,12 +116,12 @@ class Agent:
         self.group: int | None = None  # the node-group this agent runs; None while idle
         self.workers: dict[int, Worker] = {}
         self.lost_groups: dict[int, _LostGroup] = {}
-        self.watch = rdzv.PeerWatch(self.node, cfg.recovery.heartbeat_timeout_s)
+        self.watch = liveness.PeerWatch(self.node, cfg.recovery.heartbeat_timeout_s)
         self.store: dist.Store | None = None
         self.spares: SparePool | None = None
-        self.heartbeat: rdzv.Heartbeat | None = None
-        self.job_store: rdzv.JobStore | None = None
-        self.done = rdzv.DoneWatch(args.world_size)
+        self.heartbeat: liveness.Heartbeat | None = None
+        self.job_store: job_store.JobStore | None = None
+        self.done = liveness.DoneWatch(args.world_size)
         self._signal: int | None = None
         self._wake = threading.Event()
         self._seq = itertools.count()
@@ -147,11 +146,11 @@ class Agent:
                 for local in range(self.args.nproc):
                     self._start_rank(self.group, local, replacement=False, restart_count=0)
             return self._loop()
-        except (rdzv.StoreUnavailable, JoinError) as exc:
+        except (job_store.StoreUnavailable, JoinError) as exc:
             return self._stop() if self._signal is not None else self._failed(str(exc))
         except dist.DistError as exc:
             where = f"{self.args.host}:{self.args.port}"
-            return self._failed(f"lost the job store at {where} ({rdzv.brief(exc)})")
+            return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})")
         except TimeoutError as exc:  # a declarer died half-way through declare_failure
             with contextlib.suppress(dist.DistError, RuntimeError):
                 protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
@@ -173,8 +172,8 @@ class Agent:
     def _connect(self) -> None:
         a = self.args
         auth.set_reporter(self._on_auth_rejected)  # values that fail the job-key check
-        self.job_store = rdzv.open_job_store(a, self.run_dir, lambda: self._signal is not None,
-                                             self._log)
+        self.job_store = job_store.open_job_store(
+            a, self.run_dir, lambda: self._signal is not None, self._log)
         self.store, port = self.job_store.store, self.job_store.port
         self.cfg.run_dir = self.run_dir
         self.cfg.recovery.events_file = self.events.path
@@ -187,15 +186,16 @@ class Agent:
         self.base_env = self.job.base()
         self.spares = SparePool(a.spares, self.base_env, self._emit, self._start_zygote())
         self.spares.fill()  # the zygote (or each spare) imports while the other nodes join
-        if not a.is_spare_node and not rdzv.own_group(self.store, self.node, self.node):
+        if not a.is_spare_node and not membership.own_group(self.store, self.node, self.node):
             raise JoinError(
                 f"node rank {self.node} already joined job {a.rdzv_id!r}; start a "
                 f"replacement node with --node-rank >= {a.nnodes} to make it a spare node"
             )
         self.group = None if a.is_spare_node else self.node
-        rdzv.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
-        self.heartbeat = rdzv.Heartbeat(a.host, port, self.node, self.rcfg.heartbeat_interval_s,
-                                        group_of=lambda: self.group)
+        membership.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
+        self.heartbeat = liveness.Heartbeat(a.host, port, self.node,
+                                            self.rcfg.heartbeat_interval_s,
+                                            group_of=lambda: self.group)
         self.heartbeat.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run
@@ -248,8 +248,9 @@ class Agent:
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
-        problem = rdzv.wait_for_groups(self.store, self.args.nnodes, self.args.nproc,
-                                       self.args.join_timeout_s, lambda: self._signal is not None)
+        problem = membership.wait_for_groups(
+            self.store, self.args.nnodes, self.args.nproc, self.args.join_timeout_s,
+            lambda: self._signal is not None)
         if problem:
             protocol.set_fatal(self.store, problem)
         return problem is None and self._signal is None and protocol.fatal(self.store) is None
@@ -406,7 +407,7 @@ class Agent:
     # --- other nodes ----------------------------------------------------------------
     def _check_peers(self, gen: int) -> None:
         for lost in self.watch.check(self.store, gen):
-            owners = rdzv.owners(self.store, self.args.nnodes)
+            owners = membership.owners(self.store, self.args.nnodes)
             groups = [g for g, owner in owners.items() if owner == lost]
             ranks = [r for g in groups for r in self._ranks(g)]
             silent = self.watch.silent_for(lost)
@@ -425,7 +426,7 @@ class Agent:
     def _node_lost_cause(self, node: int, group: int) -> dict[str, Any]:
         """The cause of a node loss; its agent's pid makes every declarer of the same
         loss (its watchers, the spare node taking over) count one failure."""
-        info = rdzv.agent_info(self.store, node) or {}
+        info = membership.agent_info(self.store, node) or {}
         return {"kind": "node_lost", "node": node, "group": group,
                 "ranks": self._ranks(group), "agent_pid": info.get("pid")}
 
@@ -433,7 +434,7 @@ class Agent:
         """Take over a lost group if idle; keep it where its node came back before
         anyone took it; give up on it when nobody does either in time."""
         for g, lost in list(self.lost_groups.items()):
-            owner = rdzv.owner(self.store, g)
+            owner = membership.owner(self.store, g)
             if owner is not None and owner != lost.lost_node:
                 del self.lost_groups[g]  # someone (maybe this agent) took it
             elif owner == lost.lost_node and self._returned(lost.lost_node, gen):
@@ -446,7 +447,7 @@ class Agent:
                 self._log(f"node {lost.lost_node} is back (its heartbeat resumed) and "
                           f"nobody took ranks {self._ranks(g)} over: they stay there")
             elif (self.group is None and not self._fenced_out
-                  and rdzv.take_over(self.store, g, lost.lost_node, self.node)):
+                  and membership.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
             elif (time.monotonic() - lost.detected_at
@@ -486,7 +487,7 @@ class Agent:
         """
         if self.group is None:
             return None
-        owner = rdzv.owner(self.store, self.group)
+        owner = membership.owner(self.store, self.group)
         return owner if owner is not None and owner != self.node else None
 
     def _fenced(self, taker: int) -> None:
@@ -516,7 +517,7 @@ class Agent:
         self._stop_local()
         recoveries = protocol.recoveries(self.store)
         failures = protocol.failures(self.store)
-        step = rdzv.committed_step(self.store)
+        step = liveness.committed_step(self.store)
         self._emit("job_done", recoveries=recoveries, failures=failures, committed_step=step)
         self._mark_finished()
         step_text = f", committed step {step}" if step is not None else ""
@@ -616,7 +617,7 @@ class Agent:
         deadline = time.monotonic() + bound_s
         with contextlib.suppress(dist.DistError, RuntimeError):
             while time.monotonic() < deadline:
-                others = [n for n in rdzv.registered_nodes(self.store) if n != self.node]
+                others = [n for n in membership.registered_nodes(self.store) if n != self.node]
                 self.watch.check(self.store, protocol.current_generation(self.store))
                 pending = [n for n in others if n not in self.watch.lost
                            and not protocol.agent_finished(self.store, n)]
