@@ -24,18 +24,6 @@ import torch.distributed as dist
 from launcher.job_store import OP_TIMEOUT_S, StoreUnavailable, connect_store
 from launcher.membership import reassert_owner, registered_nodes
 from recovery import auth, protocol
-from replication.commit import UntrustedCommit
-from replication.commit import committed_step as _committed_step
-
-
-def committed_step(store: dist.Store) -> int | str | None:
-    """The newest committed step, for the agent's report ("unverified" if forged)."""
-    try:
-        step = _committed_step(store, protocol.COMMITTED_KEY)
-    except UntrustedCommit:
-        return "unverified"
-    return None if step < 0 else step
-
 
 #: A beat later than this many intervals (plus a second) is reported on the console.
 HEARTBEAT_LATE_FACTOR = 2.0

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launcher import job_store, liveness, membership
+from launcher import job_outcome, job_store, liveness, membership
 from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
 from recovery.rendezvous import join
@@ -320,4 +320,4 @@ def test_committed_step_must_be_sealed(rejected, stores):
     rogue.set("cl/committed_step", "999")
     with pytest.raises(UntrustedCommit, match="not sealed with the job's key"):
         committed_step(master, "cl/committed_step")
-    assert liveness.committed_step(master) == "unverified"
+    assert job_outcome.committed_step(master) == "unverified"
