@@ -4,7 +4,7 @@
     python -m benchmarks.bench_goodput                    # >= 50 failures, <= 20 min
     checkpointless chaos --quick                           # the same, from the CLI
 
-The job is ``benchmarks/goodput_worker.py`` (a small GPT, data parallel) on 2 nodes x 2
+The job is ``launcher/chaos/workload.py`` (a small GPT, data parallel) on 2 nodes x 2
 workers: two ``checkpointless run`` agents on this machine with one warm spare worker
 each, a spare node (an agent with a warm spare per rank it may take over), replication
 factor 2 (ring placement), the durable tier on (``persistence.every_n_steps=25``),
@@ -25,13 +25,13 @@ heartbeat timeout 5 s (``--heartbeat-timeout-s``). The benchmark runs, in order:
    state, nor node 0 (it hosts the job's store), unless ``--mix total_loss=W`` asks for
    it: the runtime then falls back to the newest durable checkpoint
    (``fallbacks_to_durable``), or the run stops and says why (``stopped_reason``,
-   ``stopped_by_design``). See ``benchmarks/chaos/schedule.py``.
+   ``stopped_by_design``). See ``launcher/chaos/schedule.py``.
 3. **chaos**: the same job with the schedule.
 4. **baseline**: the same job under ``torchrun --standalone --max-restarts`` with a
    synchronous DCP checkpoint every N steps (``--dcp-every``; default Young's optimum
    ``sqrt(2 x save time x MTBF)``), failure-free, then with the same schedule. A
    failure restarts every worker, which resumes from the newest checkpoint; a node loss
-   kills torchrun and the benchmark starts it again. ``goodput_worker.py`` says how each
+   kills torchrun and the benchmark starts it again. ``workload.py`` says how each
    fault kind is played there (generously to the baseline).
 
 Every process the benchmark starts carries a token in its environment; at the end of
@@ -89,7 +89,7 @@ import argparse
 import sys
 
 from benchmarks._harness import emit
-from benchmarks.chaos.soak import Options, add_arguments, run
+from launcher.chaos.soak import Options, add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:

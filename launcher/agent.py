@@ -21,6 +21,12 @@ Surviving workers are never restarted or signalled; only the failed rank gets a 
 process (a warm spare when one is idle), with ``CHECKPOINTLESS_INTERNAL_REPLACEMENT=1``.
 A job with ranks that already finished cannot recover in-process (the finished ranks
 cannot take part), so a failure after the first clean exit is fatal.
+
+Elsewhere: the job store (:mod:`launcher.job_store`), registration and group owners
+(:mod:`launcher.membership`), heartbeats and the watch over the other agents
+(:mod:`launcher.liveness`), what the agent does about a lost node or about being taken
+over itself (:mod:`launcher.node_loss`), and the last line's result
+(:mod:`launcher.job_outcome`).
 """
 
 from __future__ import annotations
@@ -32,15 +38,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import torch.distributed as dist
 
-from launcher import reaper, worker_output
-from launcher import rendezvous as rdzv
+from launcher import job_outcome, job_store, liveness, membership, reaper, worker_output
 from launcher.config import CheckpointlessConfig, config_to_json
+from launcher.node_loss import EXIT_FENCED, LostGroup, NodeLossHandling
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
@@ -56,13 +60,6 @@ from launcher.zygote import Zygote
 from recovery import auth, protocol
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
-EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job
-#: How many heartbeat timeouts a lost group waits for a spare node, or for its own node
-#: to come back, before the job stops. A spare node notices the loss on its own clock,
-#: one timeout after it last saw the node alive, and one that just started gives every
-#: peer a full timeout of grace. The chaos soak saw agents on an overloaded host stall
-#: for 6-15 s and come back: waiting longer only delays a stop that is due anyway.
-TAKEOVER_PATIENCE = 4.0
 #: A pass of the agent's loop longer than this is reported (``agent_stalled``).
 STALL_REPORT_S = 2.0
 
@@ -97,14 +94,7 @@ class JoinError(RuntimeError):
     """This agent cannot take part in the job (its node rank is already taken)."""
 
 
-@dataclass
-class _LostGroup:
-    lost_node: int
-    detected_at: float  # monotonic
-    gen: int  # the generation the lost node was last seen alive in
-
-
-class Agent:
+class Agent(NodeLossHandling):
     """Supervises one node's workers; see the module docstring for the loop."""
 
     def __init__(self, args: RunArgs, cfg: CheckpointlessConfig, run_dir: str) -> None:
@@ -116,13 +106,13 @@ class Agent:
         self.events = protocol.EventLog(events_file, source=f"agent{self.node}")
         self.group: int | None = None  # the node-group this agent runs; None while idle
         self.workers: dict[int, Worker] = {}
-        self.lost_groups: dict[int, _LostGroup] = {}
-        self.watch = rdzv.PeerWatch(self.node, cfg.recovery.heartbeat_timeout_s)
+        self.lost_groups: dict[int, LostGroup] = {}
+        self.watch = liveness.PeerWatch(self.node, cfg.recovery.heartbeat_timeout_s)
         self.store: dist.Store | None = None
         self.spares: SparePool | None = None
-        self.heartbeat: rdzv.Heartbeat | None = None
-        self.job_store: rdzv.JobStore | None = None
-        self.done = rdzv.DoneWatch(args.world_size)
+        self.heartbeat: liveness.Heartbeat | None = None
+        self.job_store: job_store.JobStore | None = None
+        self.done = liveness.DoneWatch(args.world_size)
         self._signal: int | None = None
         self._wake = threading.Event()
         self._seq = itertools.count()
@@ -147,11 +137,11 @@ class Agent:
                 for local in range(self.args.nproc):
                     self._start_rank(self.group, local, replacement=False, restart_count=0)
             return self._loop()
-        except (rdzv.StoreUnavailable, JoinError) as exc:
+        except (job_store.StoreUnavailable, JoinError) as exc:
             return self._stop() if self._signal is not None else self._failed(str(exc))
         except dist.DistError as exc:
             where = f"{self.args.host}:{self.args.port}"
-            return self._failed(f"lost the job store at {where} ({rdzv.brief(exc)})")
+            return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})")
         except TimeoutError as exc:  # a declarer died half-way through declare_failure
             with contextlib.suppress(dist.DistError, RuntimeError):
                 protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
@@ -173,8 +163,8 @@ class Agent:
     def _connect(self) -> None:
         a = self.args
         auth.set_reporter(self._on_auth_rejected)  # values that fail the job-key check
-        self.job_store = rdzv.open_job_store(a, self.run_dir, lambda: self._signal is not None,
-                                             self._log)
+        self.job_store = job_store.open_job_store(
+            a, self.run_dir, lambda: self._signal is not None, self._log)
         self.store, port = self.job_store.store, self.job_store.port
         self.cfg.run_dir = self.run_dir
         self.cfg.recovery.events_file = self.events.path
@@ -187,15 +177,16 @@ class Agent:
         self.base_env = self.job.base()
         self.spares = SparePool(a.spares, self.base_env, self._emit, self._start_zygote())
         self.spares.fill()  # the zygote (or each spare) imports while the other nodes join
-        if not a.is_spare_node and not rdzv.own_group(self.store, self.node, self.node):
+        if not a.is_spare_node and not membership.own_group(self.store, self.node, self.node):
             raise JoinError(
                 f"node rank {self.node} already joined job {a.rdzv_id!r}; start a "
                 f"replacement node with --node-rank >= {a.nnodes} to make it a spare node"
             )
         self.group = None if a.is_spare_node else self.node
-        rdzv.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
-        self.heartbeat = rdzv.Heartbeat(a.host, port, self.node, self.rcfg.heartbeat_interval_s,
-                                        group_of=lambda: self.group)
+        membership.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
+        self.heartbeat = liveness.Heartbeat(a.host, port, self.node,
+                                            self.rcfg.heartbeat_interval_s,
+                                            group_of=lambda: self.group)
         self.heartbeat.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run
@@ -248,8 +239,9 @@ class Agent:
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""
-        problem = rdzv.wait_for_groups(self.store, self.args.nnodes, self.args.nproc,
-                                       self.args.join_timeout_s, lambda: self._signal is not None)
+        problem = membership.wait_for_groups(
+            self.store, self.args.nnodes, self.args.nproc, self.args.join_timeout_s,
+            lambda: self._signal is not None)
         if problem:
             protocol.set_fatal(self.store, problem)
         return problem is None and self._signal is None and protocol.fatal(self.store) is None
@@ -403,125 +395,18 @@ class Agent:
     def _record_done(self, rank: int) -> None:
         protocol.record_done(self.store, rank)
 
-    # --- other nodes ----------------------------------------------------------------
-    def _check_peers(self, gen: int) -> None:
-        for lost in self.watch.check(self.store, gen):
-            owners = rdzv.owners(self.store, self.args.nnodes)
-            groups = [g for g, owner in owners.items() if owner == lost]
-            ranks = [r for g in groups for r in self._ranks(g)]
-            silent = self.watch.silent_for(lost)
-            self._emit("node_lost", lost_node=lost, groups=groups, ranks=ranks,
-                       silent_s=round(silent, 3))
-            held = f"ranks {ranks}" if ranks else "its ranks already run on another node"
-            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; {held})")
-            observed = protocol.generation_of_node(self.store, ranks, lost,
-                                                   self.watch.gen_alive(lost, gen))
-            for g in groups:
-                self.lost_groups[g] = _LostGroup(lost, time.monotonic(), observed)
-                if self.group is not None:  # active agents declare too; it dedupes
-                    cause = self._node_lost_cause(lost, g)
-                    self._declare(observed, cause)
-
-    def _node_lost_cause(self, node: int, group: int) -> dict[str, Any]:
-        """The cause of a node loss; its agent's pid makes every declarer of the same
-        loss (its watchers, the spare node taking over) count one failure."""
-        info = rdzv.agent_info(self.store, node) or {}
-        return {"kind": "node_lost", "node": node, "group": group,
-                "ranks": self._ranks(group), "agent_pid": info.get("pid")}
-
-    def _settle_lost_groups(self, gen: int) -> None:
-        """Take over a lost group if idle; keep it where its node came back before
-        anyone took it; give up on it when nobody does either in time."""
-        for g, lost in list(self.lost_groups.items()):
-            owner = rdzv.owner(self.store, g)
-            if owner is not None and owner != lost.lost_node:
-                del self.lost_groups[g]  # someone (maybe this agent) took it
-            elif owner == lost.lost_node and self._returned(lost.lost_node, gen):
-                # Only slow (a starved agent): its workers join the generation its loss
-                # started, as survivors. Better than stopping the job for want of a
-                # spare node, and no fencing is needed: the owner record is unchanged.
-                del self.lost_groups[g]
-                self._emit("node_returned", lost_node=lost.lost_node, group=g,
-                           after_s=round(time.monotonic() - lost.detected_at, 3))
-                self._log(f"node {lost.lost_node} is back (its heartbeat resumed) and "
-                          f"nobody took ranks {self._ranks(g)} over: they stay there")
-            elif (self.group is None and not self._fenced_out
-                  and rdzv.take_over(self.store, g, lost.lost_node, self.node)):
-                del self.lost_groups[g]
-                self._adopt(g, lost)
-            elif (time.monotonic() - lost.detected_at
-                  > TAKEOVER_PATIENCE * self.rcfg.heartbeat_timeout_s):
-                del self.lost_groups[g]
-                protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
-                                   f"{self._ranks(g)}) and no spare node took them over")
-
-    def _returned(self, node: int, gen: int) -> bool:
-        """The lost ``node`` heartbeats again (checked once per node: its other groups
-        see it watched again)."""
-        return node not in self.watch.lost or self.watch.returned(self.store, node, gen)
-
-    def _adopt(self, group: int, lost: _LostGroup) -> None:
-        self.group = group
-        ranks = self._ranks(group)
-        self._emit("node_takeover", lost_node=lost.lost_node, group=group, ranks=ranks)
-        self._log(f"taking over ranks {ranks} of lost node {lost.lost_node}")
-        cause = self._node_lost_cause(lost.lost_node, group)
-        # A fresh generation, never a dedupe into the one the loss started: a node that
-        # was only slow may have had its workers join that one already. They fence
-        # themselves in the new one (the owner record changed first), which the
-        # replacements started below join.
-        if not self._declare(protocol.current_generation(self.store), cause):
-            return
-        restart = protocol.recoveries(self.store)
-        for local in range(self.args.nproc):
-            self._start_rank(group, local, replacement=True, restart_count=restart,
-                             detected_at=lost.detected_at)
-
-    # --- fencing --------------------------------------------------------------------
-    def _taken_over_by(self) -> int | None:
-        """The node that took this agent's ranks over, if one did.
-
-        A node is declared lost when its heartbeat is late, which a merely slow node can
-        be (a starved agent on an overloaded host); a spare node then owns its group.
-        """
-        if self.group is None:
-            return None
-        owner = rdzv.owner(self.store, self.group)
-        return owner if owner is not None and owner != self.node else None
-
-    def _fenced(self, taker: int) -> None:
-        """Stop this node's workers and spares: its ranks run on ``taker`` now, so none of
-        its processes may take part (their runtime also refuses to rejoin on its own).
-
-        The other agents count this node as lost for good, so it must never take ranks
-        over again: it leaves the job, or, hosting the job's store, stays idle to the end.
-        """
-        ranks = self._ranks(self.group) if self.group is not None else []
-        self._emit("node_fenced", group=self.group, ranks=ranks, taken_over_by=taker)
-        leaving = "staying idle: it hosts the job's store" if self.args.hosts_store else (
-            f"leaving the job (exit {EXIT_FENCED})")
-        self._log(f"this node was declared lost and node {taker} took ranks {ranks} over; "
-                  f"stopping this node's workers and {leaving}")
-        stop_processes([w.proc for w in self.workers.values()], grace_s=0.0)
-        self.workers.clear()
-        self.group, self._fenced_out = None, True
-        if self.spares is not None:
-            self.spares.size = 0
-        self._stop_local()
-        if not self.args.hosts_store:
-            self._mark_finished()
-
     # --- endings --------------------------------------------------------------------
     def _done(self) -> int:
         self._stop_local()
         recoveries = protocol.recoveries(self.store)
         failures = protocol.failures(self.store)
-        step = rdzv.committed_step(self.store)
+        step = job_outcome.committed_step(self.store)
         self._emit("job_done", recoveries=recoveries, failures=failures, committed_step=step)
         self._mark_finished()
         step_text = f", committed step {step}" if step is not None else ""
         gens = f" in {recoveries} generations" if recoveries != failures else ""
-        durable, persisted = self._durable_outcome()
+        durable, persisted = job_outcome.durable_outcome(self.cfg.persistence,
+                                                         self._started_at)
         self._log(f"job done: {self.args.world_size} ranks finished, failures recovered: "
                   f"{failures}{gens}{step_text}{durable}; run dir {self.run_dir}")
         self._linger(LINGER_S)
@@ -532,44 +417,6 @@ class Agent:
                   file=sys.stderr, flush=True)
             return 1
         return 0
-
-    def _durable_outcome(self) -> tuple[str, bool]:
-        """For the last line: the newest complete checkpoint at ``persistence.path``
-        (read back from storage, not taken from the writers' word), and whether a run
-        that asked for persistence got any. A run that persisted nothing exits 1."""
-        p = self.cfg.persistence
-        if not p.path:
-            return "", True
-        from replication.durable import DurableError, latest_checkpoint
-
-        try:
-            newest = latest_checkpoint(p.path, dict(p.storage_options))
-        except (DurableError, OSError) as exc:
-            return f", durable: cannot list {p.path!r} ({exc})", False
-        saves = self._durable_saves(p.path, dict(p.storage_options))
-        if newest is None:
-            return f", durable: nothing persisted{saves}", False
-        return f", durable: newest complete checkpoint step {newest.step}{saves}", True
-
-    def _durable_saves(self, url: str, options: dict) -> str:
-        """This run's saves by outcome, from the checkpoint history on storage (each
-        rank appends a row per save), e.g. " (38 rank saves: 36 ok, 2 failed)"."""
-        from replication.durable import read_history
-
-        def when(row: dict[str, str]) -> float:  # ISO 8601 with a Z
-            return datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00")).timestamp()
-
-        try:
-            rows = [r for r in read_history(url, options) if when(r) >= self._started_at]
-        except Exception:  # the summary is a courtesy: never fail the ending on it
-            return ""
-        if not rows:
-            return ""
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.get("status") or "?"] = counts.get(r.get("status") or "?", 0) + 1
-        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-        return f" ({len(rows)} rank saves: {parts})"
 
     def _failed(self, reason: str) -> int:
         print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)
@@ -616,7 +463,7 @@ class Agent:
         deadline = time.monotonic() + bound_s
         with contextlib.suppress(dist.DistError, RuntimeError):
             while time.monotonic() < deadline:
-                others = [n for n in rdzv.registered_nodes(self.store) if n != self.node]
+                others = [n for n in membership.registered_nodes(self.store) if n != self.node]
                 self.watch.check(self.store, protocol.current_generation(self.store))
                 pending = [n for n in others if n not in self.watch.lost
                            and not protocol.agent_finished(self.store, n)]

@@ -392,7 +392,7 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 #: "1" in a process started to replace a lost rank (a fresh process or a warm spare).
 ENV_REPLACEMENT = "CHECKPOINTLESS_INTERNAL_REPLACEMENT"
 #: Every agent that ever joined the job: sealed node ids between commas, appended at
-#: registration (``launcher.rendezvous.register``).
+#: registration (``launcher.membership.register``).
 AGENTS_KEY = f"{PREFIX}/agents"
 #: Set (sealed) with the first "done" record: a cheap "has any rank finished?". There is
 #: no counter of finished ranks: anyone can overwrite a counter with text, and the next

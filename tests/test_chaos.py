@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from benchmarks.chaos import metrics, procs
-from benchmarks.chaos.schedule import (
+from launcher.chaos import metrics, procs
+from launcher.chaos.schedule import (
     DEFAULT_MIX,
     Fault,
     ScheduleError,

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launcher import rendezvous as rdzv
+from launcher import job_outcome, job_store, liveness, membership
 from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
 from recovery.rendezvous import join
@@ -32,11 +32,11 @@ def rejected():
     signing.install(Signer(os.urandom(32)))
     auth.set_reporter(lambda **f: found.append(f))
     auth._reported.clear()
-    rdzv._owners_seen.clear()
+    membership._owners_seen.clear()
     yield found
     auth.set_reporter(None)
     auth._reported.clear()
-    rdzv._owners_seen.clear()
+    membership._owners_seen.clear()
     signing.install(None)
 
 
@@ -181,40 +181,40 @@ def test_owner_claims_and_takeovers_ignore_forgeries(rejected, stores):
     master, ours, rogue = stores
     key = protocol.group_owner_key(0)
     rogue.compare_set(key, "", "7")  # the forger is first
-    assert rdzv.own_group(ours, 0, 0)  # replaced: the legitimate claim wins
-    assert rdzv.owner(master, 0) == 0
-    assert not rdzv.own_group(master, 0, 3)  # a second legitimate claimer loses
+    assert membership.own_group(ours, 0, 0)  # replaced: the legitimate claim wins
+    assert membership.owner(master, 0) == 0
+    assert not membership.own_group(master, 0, 3)  # a second legitimate claimer loses
     rogue.set(key, json.dumps({"node": 9, "epoch": 4}))
-    assert rdzv.owner(master, 0) is None  # not trusted
-    assert rdzv.owners(master, 2) == {0: None, 1: None}
+    assert membership.owner(master, 0) is None  # not trusted
+    assert membership.owners(master, 2) == {0: None, 1: None}
     # node 0 is lost: with the record forged, the verified one stands in; one claimer wins
-    wins = [rdzv.take_over(c, 0, lost=0, node=n) for c, n in ((ours, 2), (master, 3))]
+    wins = [membership.take_over(c, 0, lost=0, node=n) for c, n in ((ours, 2), (master, 3))]
     assert wins == [True, False]
-    assert rdzv.owner(master, 0) == 2
-    assert not rdzv.take_over(master, 0, lost=0, node=3)  # 0 no longer owns it
+    assert membership.owner(master, 0) == 2
+    assert not membership.take_over(master, 0, lost=0, node=3)  # 0 no longer owns it
 
 
 def test_an_old_owner_record_written_back_is_refused_and_repaired(rejected, stores):
     master, ours, rogue = stores
     key = protocol.group_owner_key(0)
-    assert rdzv.own_group(ours, 0, 0)
+    assert membership.own_group(ours, 0, 0)
     old = bytes(master.get(key))
-    assert rdzv.take_over(ours, 0, lost=0, node=2)
+    assert membership.take_over(ours, 0, lost=0, node=2)
     rogue.set(key, old)  # a replay of a genuine, older record
-    assert rdzv.owner(ours, 0) is None
+    assert membership.owner(ours, 0) is None
     assert any("old owner record" in f["reason"] for f in rejected)
-    rdzv.reassert_owner(ours, 0, 2)  # the owner's heartbeat thread puts its record back
-    assert rdzv.owner(ours, 0) == 2
+    membership.reassert_owner(ours, 0, 2)  # the owner's heartbeat thread puts its record back
+    assert membership.owner(ours, 0) == 2
 
 
 def test_forged_agents_and_heartbeats_are_no_sign_of_life(rejected, stores):
     master, ours, rogue = stores
-    rdzv.register(ours, 1, nproc=2, spare=False)
+    membership.register(ours, 1, nproc=2, spare=False)
     rogue.append(protocol.AGENTS_KEY, "5,garbage")  # an unterminated forged entry
-    rdzv.register(ours, 2, nproc=2, spare=False)  # and a legitimate one after it
+    membership.register(ours, 2, nproc=2, spare=False)  # and a legitimate one after it
     rogue.append(protocol.AGENTS_KEY, b"," + forged(protocol.AGENTS_KEY, "6") + b",")
-    assert rdzv.registered_nodes(master) == [1, 2]
-    watch = rdzv.PeerWatch(node=0, timeout_s=0.3)
+    assert membership.registered_nodes(master) == [1, 2]
+    watch = liveness.PeerWatch(node=0, timeout_s=0.3)
     assert watch.check(master, 0) == []
     hb = protocol.agent_heartbeat_key(1)
     end = time.monotonic() + 0.6
@@ -234,10 +234,10 @@ def test_a_pause_of_the_watcher_is_not_the_peers_silence(rejected, stores):
     scheduled: every heartbeat freezes at once), the gap does not count as silence;
     a peer that stays silent while the agent looks is still declared lost."""
     master, ours, _rogue = stores
-    rdzv.register(ours, 1, nproc=2, spare=False)
+    membership.register(ours, 1, nproc=2, spare=False)
     hb = protocol.agent_heartbeat_key(1)
     auth.put(ours, hb, "1")
-    watch = rdzv.PeerWatch(node=0, timeout_s=0.4)
+    watch = liveness.PeerWatch(node=0, timeout_s=0.4)
     assert watch.check(master, 0) == []
     time.sleep(0.6)  # the watcher is paused for longer than the timeout; no beats either
     assert watch.check(master, 0) == []  # the previous code declared node 1 lost here
@@ -251,7 +251,7 @@ def test_a_pause_of_the_watcher_is_not_the_peers_silence(rejected, stores):
 
 def test_done_records(rejected, stores):
     master, ours, rogue = stores
-    watch = rdzv.DoneWatch(world_size=2, recheck_s=0.0)
+    watch = liveness.DoneWatch(world_size=2, recheck_s=0.0)
     for r in range(2):
         rogue.set(protocol.done_key(r), "1")
     rogue.set(protocol.DONE_ANY_KEY, "1")
@@ -280,11 +280,11 @@ def test_keycheck_tells_a_wrong_secret(rejected, stores):
     assert protocol.keycheck(ours) is None
     protocol.publish_keycheck(master)
     assert protocol.keycheck(ours) is True
-    rdzv.check_job_key(ours, "here")
+    job_store.check_job_key(ours, "here")
     signing.install(Signer(os.urandom(32)))  # an agent started with another secret
     assert protocol.keycheck(ours) is False
-    with pytest.raises(rdzv.StoreUnavailable, match="job secret is not the one"):
-        rdzv.check_job_key(ours, "here")
+    with pytest.raises(job_store.StoreUnavailable, match="job secret is not the one"):
+        job_store.check_job_key(ours, "here")
 
 
 # --- join records and the committed step ------------------------------------------------
@@ -320,4 +320,4 @@ def test_committed_step_must_be_sealed(rejected, stores):
     rogue.set("cl/committed_step", "999")
     with pytest.raises(UntrustedCommit, match="not sealed with the job's key"):
         committed_step(master, "cl/committed_step")
-    assert rdzv.committed_step(master) == "unverified"
+    assert job_outcome.committed_step(master) == "unverified"

@@ -22,8 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher import bind
-from launcher import rendezvous as rdzv
+from launcher import bind, job_store
 from tests.helpers.mp import free_port
 from tests.recovery_harness import REPO, TRAIN_ARGS, clean_env
 
@@ -52,13 +51,13 @@ def listeners(root_pids: list[int]) -> set[tuple[int, str, int]]:
 
 
 def test_the_probe_sees_wildcards_and_host_store_binds_one_address():
-    wild = rdzv.host_store("127.0.0.1", 0, address=None)  # c10d's own behaviour
-    bound = rdzv.host_store("127.0.0.1", 0, address="127.0.0.1")
+    wild = job_store.host_store("127.0.0.1", 0, address=None)  # c10d's own behaviour
+    bound = job_store.host_store("127.0.0.1", 0, address="127.0.0.1")
     found = {(ip, port) for _, ip, port in listeners([os.getpid()])}
     assert any(ip in WILDCARDS and port == wild.port for ip, port in found), found
     assert ("127.0.0.1", bound.port) in found
     assert not any(ip in WILDCARDS and port == bound.port for ip, port in found)
-    client = rdzv.connect_store("127.0.0.1", bound.port, timeout_s=10)
+    client = job_store.connect_store("127.0.0.1", bound.port, timeout_s=10)
     client.set("k", "v")
     assert bound.get("k") == b"v"
 

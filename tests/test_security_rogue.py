@@ -40,7 +40,7 @@ def _rogue_main(store_addr: str, run_dir: str, out: str) -> int:
 
     import torch.distributed as dist
 
-    from launcher import rendezvous as rdzv
+    from launcher import membership
     from recovery import protocol
     from replication import signing
     from replication.signing import Signer
@@ -75,7 +75,7 @@ def _rogue_main(store_addr: str, run_dir: str, out: str) -> int:
         store.set(protocol.FATAL_KEY, json.dumps({"reason": f"rogue {phase}"}))
         protocol.set_fatal(store, f"rogue {phase} (sealed with the wrong key)")
         store.set(protocol.group_owner_key(0), json.dumps({"node": 7, "epoch": 99}))
-        rdzv.own_group(store, 0, 7)  # "replaces" what it cannot verify
+        membership.own_group(store, 0, 7)  # "replaces" what it cannot verify
         for r in range(2):
             fake = protocol.JoinRecord(rank=r, node=7, pid=1, newcomer=True)
             store.set(protocol.join_key(nxt, r), fake.to_json())
@@ -83,7 +83,7 @@ def _rogue_main(store_addr: str, run_dir: str, out: str) -> int:
         for r in range(2):
             store.set(protocol.done_key(r), "1")
         store.set(protocol.DONE_ANY_KEY, "1")
-        rdzv.register(store, 7, nproc=2, spare=True)  # a fake agent
+        membership.register(store, 7, nproc=2, spare=True)  # a fake agent
         log["phases"][phase] = {"gen": gen, "ts": time.time()}
 
     attack("before_training", 0)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaos.schedule import Fault
+from launcher.chaos.schedule import Fault
 
 
 class StorageSwitch:

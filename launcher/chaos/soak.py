@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaos import metrics, procs
-from benchmarks.chaos.runs import JobSpec, RunResult, run_checkpointless, run_torchrun
-from benchmarks.chaos.schedule import Schedule, Topology, describe, generate, parse_mix
+from launcher.chaos import metrics, procs
+from launcher.chaos.runs import JobSpec, RunResult, run_checkpointless, run_torchrun
+from launcher.chaos.schedule import Schedule, Topology, describe, generate, parse_mix
 
 #: The fields of final_rank<r>.json that must equal the failure-free run's.
 FINAL_FIELDS = ("step", "digest", "data_order", "position")
@@ -179,7 +179,7 @@ def _run(opt: Options, spec: JobSpec, topo: Topology, root: Path, deadline: floa
                load_avg={"cpus": os.cpu_count(), "reference": ref.load_avg})
     # 2. the schedule
     if opt.schedule_file:
-        from benchmarks.chaos.schedule import from_json
+        from launcher.chaos.schedule import from_json
 
         sched = from_json(json.loads(Path(opt.schedule_file).read_text()))
         if sched.steps != spec.steps:

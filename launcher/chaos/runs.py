@@ -1,7 +1,7 @@
 """Run the job under ``checkpointless run`` or under ``torchrun``, with failures, bounded.
 
 Both runners start real processes (agents or torchrun, in sessions of their own, all
-carrying the run's token from :mod:`benchmarks.chaos.procs`), follow the run's
+carrying the run's token from :mod:`launcher.chaos.procs`), follow the run's
 timeline file while it runs, play the schedule's storage outages, and end every
 process they started before returning, whatever happened (deadline, failure, a
 Ctrl-C).
@@ -27,13 +27,17 @@ from typing import Any
 
 import psutil
 
-from benchmarks.chaos import procs
-from benchmarks.chaos.schedule import Fault
-from benchmarks.chaos.storage import OutagePlayer, StorageSwitch
+from launcher.chaos import procs
+from launcher.chaos.schedule import Fault
+from launcher.chaos.storage import OutagePlayer, StorageSwitch
 from launcher.local_cluster import free_port
 
+#: The directory that holds the ``launcher`` package (the repository root in a source
+#: checkout): the children's working directory and the head of their PYTHONPATH, so the
+#: workload finds ``examples.gpt`` there.
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "benchmarks" / "goodput_worker.py"
+#: The soak's training script, beside this module (so it ships with the package).
+WORKER = Path(__file__).resolve().with_name("workload.py")
 POLL_S = 0.05
 REAP_EVERY = 20  # polls between sweeps for orphaned zombies (a /proc scan each)
 #: Recoveries in a row without training getting past its best step: a recovery loop.

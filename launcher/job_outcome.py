@@ -1,0 +1,70 @@
+"""What the agent's last line says about the job's result: the newest committed step
+and what reached durable storage.
+
+Both are read back at the end, from the store and from storage, rather than taken from
+the workers' word: a forged commit record shows as "unverified", and the durable
+outcome lists ``persistence.path`` itself. A run that asked for persistence and has no
+complete checkpoint there exits 1 (:meth:`launcher.agent.Agent._done` decides; this
+module only finds out). Kept apart from the agent's loop, which never needs any of it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import torch.distributed as dist
+
+from recovery import protocol
+from replication.commit import UntrustedCommit
+from replication.commit import committed_step as _committed_step
+from replication.config import PersistenceConfig
+
+
+def committed_step(store: dist.Store) -> int | str | None:
+    """The newest committed step, for the agent's report ("unverified" if forged)."""
+    try:
+        step = _committed_step(store, protocol.COMMITTED_KEY)
+    except UntrustedCommit:
+        return "unverified"
+    return None if step < 0 else step
+
+
+def durable_outcome(p: PersistenceConfig, started_at: float) -> tuple[str, bool]:
+    """For the last line: the newest complete checkpoint at ``persistence.path``
+    (read back from storage, not taken from the writers' word), and whether a run
+    that asked for persistence got any. A run that persisted nothing exits 1.
+
+    ``started_at``: this run's start (``time.time()``); only its saves are counted."""
+    if not p.path:
+        return "", True
+    from replication.durable import DurableError, latest_checkpoint
+
+    try:
+        newest = latest_checkpoint(p.path, dict(p.storage_options))
+    except (DurableError, OSError) as exc:
+        return f", durable: cannot list {p.path!r} ({exc})", False
+    saves = _durable_saves(p.path, dict(p.storage_options), started_at)
+    if newest is None:
+        return f", durable: nothing persisted{saves}", False
+    return f", durable: newest complete checkpoint step {newest.step}{saves}", True
+
+
+def _durable_saves(url: str, options: dict, started_at: float) -> str:
+    """This run's saves by outcome, from the checkpoint history on storage (each
+    rank appends a row per save), e.g. " (38 rank saves: 36 ok, 2 failed)"."""
+    from replication.durable import read_history
+
+    def when(row: dict[str, str]) -> float:  # ISO 8601 with a Z
+        return datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00")).timestamp()
+
+    try:
+        rows = [r for r in read_history(url, options) if when(r) >= started_at]
+    except Exception:  # the summary is a courtesy: never fail the ending on it
+        return ""
+    if not rows:
+        return ""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.get("status") or "?"] = counts.get(r.get("status") or "?", 0) + 1
+    parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return f" ({len(rows)} rank saves: {parts})"

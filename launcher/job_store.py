@@ -1,0 +1,267 @@
+"""The job's c10d TCPStore: node 0's agent hosts it, every other agent (and worker) connects.
+
+Agents coordinate only through this store (who is in the job and who runs which ranks:
+:mod:`launcher.membership`; who is still alive: :mod:`launcher.liveness`). Every value
+they write is sealed with the job key (:mod:`recovery.auth`): a process without the job
+secret can write into the store, but no agent acts on what it writes. The store host
+publishes a sealed key check, and a joining agent checks its key against it before it
+writes anything (:func:`check_job_key`).
+
+Connecting is the delicate part: node 0 may not be up yet, something else may listen
+on the port, and a signal must still stop a waiting agent (:func:`connect_store`).
+
+Limitation (shared with torchrun's c10d backend): the store lives in node 0's agent, so
+losing node 0 ends the job; every agent then reports a lost store instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from launcher import bind as bind_mod
+from launcher import job_secret
+from launcher.run_args import RunArgs
+from recovery import protocol
+from replication import signing
+from replication.signing import Signer
+
+#: Per-operation timeout once connected: long enough for a busy store, short enough
+#: that an agent never waits forever on a stopped one.
+OP_TIMEOUT_S = 30.0
+
+
+class StoreUnavailable(RuntimeError):
+    """The job's store cannot be hosted or reached, or went away."""
+
+
+def host_store(host: str, port: int, address: str | None = None) -> dist.TCPStore:
+    """Start the job's store server (node 0). ``port`` 0 picks a free port.
+
+    ``address``: listen there only (c10d's server itself always listens on every
+    interface, so we bind the socket and hand it over with ``master_listen_fd``); None
+    listens on every interface. The store host then publishes the sealed key check.
+    """
+    timeout = timedelta(seconds=OP_TIMEOUT_S)
+    try:
+        if address is None:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                  timeout=timeout)
+        else:
+            sock = bind_mod.listening_socket(address, port)
+            bound = sock.getsockname()[1]
+            fd = sock.detach()  # the store owns the descriptor from here on
+            try:
+                store = dist.TCPStore(address, bound, is_master=True, wait_for_workers=False,
+                                      timeout=timeout, master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot host the job store on {address or host}:{port}: "
+                               f"{exc.strerror or exc}") from None
+    except (dist.DistError, RuntimeError) as exc:
+        raise StoreUnavailable(
+            f"cannot host the job store on {address or host}:{port}: {brief(exc)}"
+        ) from None
+    protocol.publish_keycheck(store)
+    return store
+
+
+@dataclass
+class JobStore:
+    """The job store as this agent reached it, with what it authenticates with."""
+
+    store: dist.TCPStore
+    port: int
+    signer: Signer
+    plan: bind_mod.BindPlan
+    shared_secret_file: str | None = None  # left for this machine's other agents
+
+    def release(self) -> None:
+        """Remove the secret file this agent left (the job is over)."""
+        if self.shared_secret_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.shared_secret_file)
+
+
+def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
+                   say: Callable[[str], None] = lambda _m: None) -> JobStore:
+    """Host (node 0) or join the job store, with the job key installed for this process.
+
+    The secret comes from ``args`` (``run_args.prepare``); without one, node 0 generates
+    it and, when every agent runs on this machine, leaves it in the run directory for
+    the others, who read it once the store is reachable. A joining agent then checks its
+    key against the store host's before it writes anything.
+    """
+    plan = args.bind_plan or bind_mod.choose(
+        args.bind, args.host, args.port, args.hosts_store,
+        multi_node=args.nnodes > 1 or args.node_rank > 0)
+    secret, shared = args.job_secret, None
+    if args.hosts_store:
+        if secret is None:
+            secret = job_secret.generate()
+            if bind_mod.is_local_only(args.host) and not args.standalone:  # others may join
+                shared = job_secret.share_locally(run_dir, secret)
+        signing.install(job_secret.signer_for(secret, args.rdzv_id))
+        store = host_store(args.host, args.port, plan.address)
+        return JobStore(store, store.port, signing.process_signer(), plan, shared)
+    store = connect_store(args.host, args.port, args.join_timeout_s, should_stop, say)
+    if secret is None:
+        try:
+            secret = job_secret.read_shared(run_dir, should_stop=should_stop)
+        except job_secret.SecretError as exc:
+            raise StoreUnavailable(str(exc)) from None
+    signing.install(job_secret.signer_for(secret, args.rdzv_id))
+    check_job_key(store, f"{args.host}:{args.port}")
+    return JobStore(store, args.port, signing.process_signer(), plan)
+
+
+#: How often a joining agent says it is still waiting for the job store.
+WAIT_REPORT_S = 5.0
+#: How long a port that accepts connections may take to answer as a c10d store.
+HANDSHAKE_S = 10.0
+
+
+def connect_store(
+    host: str, port: int, timeout_s: float, should_stop: Callable[[], bool] = lambda: False,
+    say: Callable[[str], None] = lambda _m: None,
+) -> dist.TCPStore:
+    """Connect as a client, waiting up to ``timeout_s`` for node 0 to start its store.
+
+    The wait probes the port with plain sockets first: that is quiet (c10d logs every
+    failed attempt with a stack trace), says every few seconds what it waits for, and
+    can be interrupted between probes by ``should_stop`` (a signal), where a blocking
+    c10d connect could not. The c10d handshake then runs on a helper thread: something
+    else listening on the port (another service, a stale process) can leave it blocked
+    in a native receive that no signal interrupts; this thread gives up on it after
+    :data:`HANDSHAKE_S` with a line naming the likely cause, or at once on a signal.
+    """
+    where = f"{host}:{port}"
+    start = time.monotonic()
+    deadline, next_report = start + timeout_s, start + WAIT_REPORT_S
+    while not _accepts(host, port):
+        if should_stop():
+            raise StoreUnavailable("interrupted while waiting for the job store")
+        now = time.monotonic()
+        if now > deadline:
+            raise StoreUnavailable(
+                f"cannot reach the job store at {where} within {timeout_s:.0f}s "
+                "(is the node-rank 0 agent running?)"
+            )
+        if now >= next_report:
+            say(f"waiting for the job store at {where} (node-rank 0's agent), "
+                f"{now - start:.0f}s of {timeout_s:.0f}s")
+            next_report = now + WAIT_REPORT_S
+        time.sleep(0.2)
+    return _handshake(host, port, should_stop)
+
+
+def _handshake(host: str, port: int, should_stop: Callable[[], bool]) -> dist.TCPStore:
+    where = f"{host}:{port}"
+    box: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=OP_TIMEOUT_S))
+        except (dist.DistError, RuntimeError) as exc:
+            box["error"] = exc
+
+    hint = ("is another service listening on that port? (--rdzv-endpoint must name the "
+            "port of the node-rank 0 agent)")
+    with _c10d_log_captured() as log_so_far:
+        helper = threading.Thread(target=connect, name="checkpointless-store-connect",
+                                  daemon=True)
+        helper.start()
+        deadline = time.monotonic() + HANDSHAKE_S
+        while helper.is_alive():
+            if should_stop():
+                raise StoreUnavailable("interrupted while connecting to the job store")
+            refused = _handshake_refusal(log_so_far())
+            if refused is not None:  # c10d would retry this until its own timeout
+                raise StoreUnavailable(f"the service at {where} is not a job store "
+                                       f"(c10d handshake: {refused}): {hint}")
+            if time.monotonic() > deadline:
+                # The helper stays blocked; it is a daemon and holds nothing of ours.
+                raise StoreUnavailable(
+                    f"something at {where} accepts connections but did not answer as a "
+                    f"job store within {HANDSHAKE_S:.0f}s: {hint}")
+            helper.join(0.1)
+    if "error" in box:
+        raise StoreUnavailable(f"cannot connect to the job store at {where}: "
+                               f"{brief(box['error'])} ({hint})") from None  # type: ignore[arg-type]
+    return box["store"]  # type: ignore[return-value]
+
+
+def _handshake_refusal(log: str) -> str | None:
+    """The reason c10d gave for a failed connect-or-validate, when it is not a plain
+    "connection refused" (which only means the store is not up yet)."""
+    for line in reversed(log.splitlines()):
+        if "failed to connect/validate" in line and "):" in line:
+            reason = line.rsplit("):", 1)[1].strip()
+            if reason and "refused" not in reason.lower():
+                return reason
+    return None
+
+
+@contextlib.contextmanager
+def _c10d_log_captured():
+    """Send this process's stderr (fd 2) to a temporary file while c10d connects.
+
+    c10d prints every retry of a failed handshake with a 25-frame C++ stack trace,
+    straight to fd 2, for up to its whole timeout. Only this agent's start-up runs then
+    (no worker, no other thread yet), so nothing else is hidden. Yields a function
+    that returns what was captured so far.
+    """
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            def so_far() -> str:
+                tmp.seek(0)
+                return tmp.read().decode(errors="replace")
+            yield so_far
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def check_job_key(store: dist.Store, where: str, timeout_s: float = 10.0) -> None:
+    """Stop (before writing anything) if this agent's job secret is not the job's."""
+    deadline = time.monotonic() + timeout_s
+    while (ok := protocol.keycheck(store)) is None:
+        if time.monotonic() > deadline:
+            raise StoreUnavailable(f"the job store at {where} has no key check record: it is "
+                                   "not a checkpointless job store of this version")
+        time.sleep(0.05)
+    if not ok:
+        raise StoreUnavailable(
+            f"this agent's job secret is not the one the job at {where} was started with "
+            "(CHECKPOINTLESS_JOB_SECRET / --job-secret-file must be the same on every node)")
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def brief(exc: BaseException) -> str:
+    """The first line of a c10d error (the rest is a C++ stack trace)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+

@@ -1,0 +1,187 @@
+"""Which agents are alive: this agent's heartbeat, its watch over the others, and the
+watch for every rank having finished.
+
+``agent_heartbeat_key(n)`` is a counter that agent ``n``'s heartbeat thread bumps.
+Observers judge liveness by *change* of the value, timed on their own monotonic clock,
+so no two machines' clocks are ever compared. Heartbeats are sealed sequence numbers
+(:mod:`recovery.auth`), so a forger can neither fake a beat for a dead node nor make a
+live one look silent by writing an old value back. The heartbeat thread also puts back
+this agent's owner record (:func:`launcher.membership.reassert_owner`) and the
+generation records if something overwrote them (``docs/security.md`` says what remains
+possible).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from launcher.job_store import OP_TIMEOUT_S, StoreUnavailable, connect_store
+from launcher.membership import reassert_owner, registered_nodes
+from recovery import auth, protocol
+
+#: A beat later than this many intervals (plus a second) is reported on the console.
+HEARTBEAT_LATE_FACTOR = 2.0
+
+
+class Heartbeat(threading.Thread):
+    """Writes this agent's sealed heartbeat sequence number on its own connection.
+
+    A separate client keeps beats flowing while the main loop waits on the store (a
+    ``declare_failure`` can take a while), and avoids sharing one socket between threads.
+    Each beat also puts back this agent's owner record and the generation records if a
+    forger replaced them (:func:`reassert_owner`, ``protocol.reassert_generations``).
+    """
+
+    def __init__(self, host: str, port: int, node: int, interval_s: float,
+                 group_of: Callable[[], int | None] = lambda: None) -> None:
+        super().__init__(name=f"checkpointless-heartbeat-{node}", daemon=True)
+        self._addr = (host, port)
+        self._node = node
+        self._key = protocol.agent_heartbeat_key(node)
+        self._interval = interval_s
+        self._group_of = group_of
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            store = connect_store(*self._addr, timeout_s=OP_TIMEOUT_S)
+            seq = 0
+            last = time.monotonic()
+            while not self._stop_event.wait(self._interval):
+                now = time.monotonic()
+                if now - last > HEARTBEAT_LATE_FACTOR * self._interval + 1.0:
+                    # Peers may be about to declare us lost: say so on the console, with
+                    # the gap, so a false node loss can be told from a real one.
+                    print(f"[checkpointless node {self._node}] heartbeat late by "
+                          f"{now - last - self._interval:.1f}s (this agent was not "
+                          "scheduled, or its store connection stalled)",
+                          file=sys.stderr, flush=True)
+                last = now
+                seq += 1
+                auth.put(store, self._key, str(seq))
+                group = self._group_of()
+                if group is not None:
+                    reassert_owner(store, group, self._node)
+                protocol.reassert_generations(store)
+        except (StoreUnavailable, dist.DistError, RuntimeError):
+            return  # the main loop notices a dead store on its own next operation
+
+    def stop(self) -> None:
+        """Stop beating; wait (briefly) for the thread to close its store connection."""
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2.0)
+
+
+@dataclass
+class _Peer:
+    seq: int  # the newest validly sealed heartbeat sequence number seen (-1: none yet)
+    changed_at: float  # monotonic time this agent last saw the sequence grow
+    gen_alive: int  # the generation current when the peer was last seen alive
+
+
+@dataclass
+class PeerWatch:
+    """Decides which other agents are lost, each exactly once.
+
+    A peer is lost when its sealed heartbeat sequence has not grown for ``timeout_s`` on
+    this agent's clock. A newly seen peer gets a full timeout of grace. ``gen_alive``
+    records the generation this agent read (before reading the heartbeats) when the peer
+    last showed life: a node's loss belongs to that generation, not to one a survivor may
+    have declared meanwhile, so detectors that arrive late dedupe instead of adding one.
+    A value that does not verify, or an old one written back, is no sign of life.
+    """
+
+    node: int
+    timeout_s: float
+    peers: dict[int, _Peer] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+    last_check: float | None = None
+
+    def check(self, store: dist.Store, gen: int) -> list[int]:
+        """Read every peer's heartbeat; return the nodes that became lost just now.
+
+        Time this agent could not look does not count as the peers' silence: when the
+        previous check is more than half a timeout ago (this process was not scheduled,
+        or the store answered slowly; the store host's own stall freezes every
+        heartbeat at once), every peer's silence restarts now. Otherwise a starved
+        store host would declare every other node lost the moment it woke up.
+        """
+        now = time.monotonic()
+        if self.last_check is not None and now - self.last_check > self.timeout_s / 2:
+            for peer in self.peers.values():
+                peer.changed_at = max(peer.changed_at, now)
+        self.last_check = now
+        listed = set(registered_nodes(store)) | set(self.peers)  # a wiped list forgets none
+        nodes = sorted(n for n in listed if n != self.node and n not in self.lost)
+        if not nodes:
+            return []
+        keys = [protocol.agent_heartbeat_key(n) for n in nodes]
+        newly = []
+        for n, key, raw in zip(nodes, keys, store.multi_get(keys)):
+            payload = auth.open_value(key, raw)
+            seq = int(payload) if payload is not None else None
+            peer = self.peers.get(n)
+            if peer is None:
+                self.peers[n] = _Peer(-1 if seq is None else seq, now, gen)
+            elif seq is not None and seq > peer.seq:
+                peer.seq, peer.changed_at, peer.gen_alive = seq, now, gen
+            elif now - peer.changed_at > self.timeout_s:
+                self.lost.add(n)
+                newly.append(n)
+        return newly
+
+    def returned(self, store: dist.Store, node: int, gen: int) -> bool:
+        """True if ``node``, declared lost, has heartbeated since: it was only slow
+        (a starved agent). It is watched again from now on."""
+        peer = self.peers.get(node)
+        if node not in self.lost or peer is None:
+            return False
+        key = protocol.agent_heartbeat_key(node)
+        payload = auth.open_value(key, store.multi_get([key])[0])
+        if payload is None or int(payload) <= peer.seq:
+            return False
+        peer.seq, peer.changed_at, peer.gen_alive = int(payload), time.monotonic(), gen
+        self.lost.discard(node)
+        return True
+
+    def gen_alive(self, node: int, default: int) -> int:
+        peer = self.peers.get(node)
+        return default if peer is None else peer.gen_alive
+
+    def silent_for(self, node: int) -> float:
+        peer = self.peers.get(node)
+        return 0.0 if peer is None else time.monotonic() - peer.changed_at
+
+
+class DoneWatch:
+    """Tells when every rank has finished, from their sealed "done" records.
+
+    Only an agent that runs no workers any more (its ranks are done, or it is a spare
+    node) looks, at most every ``recheck_s``: while one of its own ranks runs, the job
+    cannot be over, and a busy job never pays for the check.
+    """
+
+    def __init__(self, world_size: int, recheck_s: float = 0.1) -> None:
+        self.world_size = world_size
+        self.recheck_s = recheck_s
+        self._next_check = 0.0
+
+    def all_done(self, store: dist.Store, idle: bool) -> bool:
+        now = time.monotonic()
+        if not idle or now < self._next_check:
+            return False
+        self._next_check = now + self.recheck_s
+        return protocol.all_done(store, self.world_size)
+
+    def finished(self, store: dist.Store) -> int:
+        """How many ranks finished (one read when none has)."""
+        if not protocol.any_done(store):
+            return 0
+        return len(protocol.done_ranks(store, self.world_size))

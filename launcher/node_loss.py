@@ -1,0 +1,178 @@
+"""What an agent does about lost nodes: take their ranks over, keep them, or step aside.
+
+Seeing a loss is :mod:`launcher.liveness`'s job (a peer's heartbeat stops growing) and
+the exclusive claim of a lost node's group is :mod:`launcher.membership`'s (a
+compare-and-set on the owner record). What the agent then does is a protocol of its own
+with its own failure modes (ADR 0010), so it lives here rather than in the poll loop of
+:mod:`launcher.agent`:
+
+- every agent that sees a node lost records that node's groups and, if it runs workers,
+  declares the failure (the declarations dedupe);
+- an idle agent (a spare node) takes a lost group over and starts its ranks in a fresh
+  generation;
+- a lost node whose heartbeat resumes before anyone took its ranks keeps them
+  (``node_returned``);
+- a lost group that nobody takes within :data:`TAKEOVER_PATIENCE` heartbeat timeouts
+  stops the job;
+- a node that finds its own ranks taken over (it was only slow) is fenced: it stops its
+  workers and spares and leaves the job (the store host stays, idle, to the end).
+
+:class:`NodeLossHandling` is a mixin of :class:`launcher.agent.Agent`: these steps read
+and change the agent's own state (its group, workers, spares) and use its helpers
+(``_declare``, ``_start_rank``, ``_stop_local``, ``_mark_finished``, ``_emit``,
+``_log``, ``_ranks``); the annotations below name the state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from launcher import membership
+from launcher.liveness import PeerWatch
+from launcher.run_args import RunArgs
+from launcher.worker_procs import SparePool, Worker, stop_processes
+from recovery import protocol
+from recovery.config import RecoveryConfig
+
+EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job
+#: How many heartbeat timeouts a lost group waits for a spare node, or for its own node
+#: to come back, before the job stops. A spare node notices the loss on its own clock,
+#: one timeout after it last saw the node alive, and one that just started gives every
+#: peer a full timeout of grace. The chaos soak saw agents on an overloaded host stall
+#: for 6-15 s and come back: waiting longer only delays a stop that is due anyway.
+TAKEOVER_PATIENCE = 4.0
+
+
+@dataclass
+class LostGroup:
+    lost_node: int
+    detected_at: float  # monotonic
+    gen: int  # the generation the lost node was last seen alive in
+
+
+class NodeLossHandling:
+    """The agent's steps about lost nodes and about being taken over itself."""
+
+    # What these steps use of the agent (set in ``Agent.__init__`` and ``_connect``).
+    args: RunArgs
+    rcfg: RecoveryConfig
+    node: int
+    store: dist.Store | None
+    group: int | None
+    workers: dict[int, Worker]
+    spares: SparePool | None
+    watch: PeerWatch
+    lost_groups: dict[int, LostGroup]
+    _fenced_out: bool
+
+    # --- other nodes ----------------------------------------------------------------
+    def _check_peers(self, gen: int) -> None:
+        for lost in self.watch.check(self.store, gen):
+            owners = membership.owners(self.store, self.args.nnodes)
+            groups = [g for g, owner in owners.items() if owner == lost]
+            ranks = [r for g in groups for r in self._ranks(g)]
+            silent = self.watch.silent_for(lost)
+            self._emit("node_lost", lost_node=lost, groups=groups, ranks=ranks,
+                       silent_s=round(silent, 3))
+            held = f"ranks {ranks}" if ranks else "its ranks already run on another node"
+            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; {held})")
+            observed = protocol.generation_of_node(self.store, ranks, lost,
+                                                   self.watch.gen_alive(lost, gen))
+            for g in groups:
+                self.lost_groups[g] = LostGroup(lost, time.monotonic(), observed)
+                if self.group is not None:  # active agents declare too; it dedupes
+                    cause = self._node_lost_cause(lost, g)
+                    self._declare(observed, cause)
+
+    def _node_lost_cause(self, node: int, group: int) -> dict[str, Any]:
+        """The cause of a node loss; its agent's pid makes every declarer of the same
+        loss (its watchers, the spare node taking over) count one failure."""
+        info = membership.agent_info(self.store, node) or {}
+        return {"kind": "node_lost", "node": node, "group": group,
+                "ranks": self._ranks(group), "agent_pid": info.get("pid")}
+
+    def _settle_lost_groups(self, gen: int) -> None:
+        """Take over a lost group if idle; keep it where its node came back before
+        anyone took it; give up on it when nobody does either in time."""
+        for g, lost in list(self.lost_groups.items()):
+            owner = membership.owner(self.store, g)
+            if owner is not None and owner != lost.lost_node:
+                del self.lost_groups[g]  # someone (maybe this agent) took it
+            elif owner == lost.lost_node and self._returned(lost.lost_node, gen):
+                # Only slow (a starved agent): its workers join the generation its loss
+                # started, as survivors. Better than stopping the job for want of a
+                # spare node, and no fencing is needed: the owner record is unchanged.
+                del self.lost_groups[g]
+                self._emit("node_returned", lost_node=lost.lost_node, group=g,
+                           after_s=round(time.monotonic() - lost.detected_at, 3))
+                self._log(f"node {lost.lost_node} is back (its heartbeat resumed) and "
+                          f"nobody took ranks {self._ranks(g)} over: they stay there")
+            elif (self.group is None and not self._fenced_out
+                  and membership.take_over(self.store, g, lost.lost_node, self.node)):
+                del self.lost_groups[g]
+                self._adopt(g, lost)
+            elif (time.monotonic() - lost.detected_at
+                  > TAKEOVER_PATIENCE * self.rcfg.heartbeat_timeout_s):
+                del self.lost_groups[g]
+                protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
+                                   f"{self._ranks(g)}) and no spare node took them over")
+
+    def _returned(self, node: int, gen: int) -> bool:
+        """The lost ``node`` heartbeats again (checked once per node: its other groups
+        see it watched again)."""
+        return node not in self.watch.lost or self.watch.returned(self.store, node, gen)
+
+    def _adopt(self, group: int, lost: LostGroup) -> None:
+        self.group = group
+        ranks = self._ranks(group)
+        self._emit("node_takeover", lost_node=lost.lost_node, group=group, ranks=ranks)
+        self._log(f"taking over ranks {ranks} of lost node {lost.lost_node}")
+        cause = self._node_lost_cause(lost.lost_node, group)
+        # A fresh generation, never a dedupe into the one the loss started: a node that
+        # was only slow may have had its workers join that one already. They fence
+        # themselves in the new one (the owner record changed first), which the
+        # replacements started below join.
+        if not self._declare(protocol.current_generation(self.store), cause):
+            return
+        restart = protocol.recoveries(self.store)
+        for local in range(self.args.nproc):
+            self._start_rank(group, local, replacement=True, restart_count=restart,
+                             detected_at=lost.detected_at)
+
+    # --- fencing --------------------------------------------------------------------
+    def _taken_over_by(self) -> int | None:
+        """The node that took this agent's ranks over, if one did.
+
+        A node is declared lost when its heartbeat is late, which a merely slow node can
+        be (a starved agent on an overloaded host); a spare node then owns its group.
+        """
+        if self.group is None:
+            return None
+        owner = membership.owner(self.store, self.group)
+        return owner if owner is not None and owner != self.node else None
+
+    def _fenced(self, taker: int) -> None:
+        """Stop this node's workers and spares: its ranks run on ``taker`` now, so none of
+        its processes may take part (their runtime also refuses to rejoin on its own).
+
+        The other agents count this node as lost for good, so it must never take ranks
+        over again: it leaves the job, or, hosting the job's store, stays idle to the end.
+        """
+        ranks = self._ranks(self.group) if self.group is not None else []
+        self._emit("node_fenced", group=self.group, ranks=ranks, taken_over_by=taker)
+        leaving = "staying idle: it hosts the job's store" if self.args.hosts_store else (
+            f"leaving the job (exit {EXIT_FENCED})")
+        self._log(f"this node was declared lost and node {taker} took ranks {ranks} over; "
+                  f"stopping this node's workers and {leaving}")
+        stop_processes([w.proc for w in self.workers.values()], grace_s=0.0)
+        self.workers.clear()
+        self.group, self._fenced_out = None, True
+        if self.spares is not None:
+            self.spares.size = 0
+        self._stop_local()
+        if not self.args.hosts_store:
+            self._mark_finished()
