@@ -81,7 +81,7 @@ TIER = "durable"
 #: The longest a first save waits for the helper process to finish starting.
 WARM_UP_TIMEOUT_S = 60.0
 
-__all__ = ["DurableWriter", "PersistTicket", "SaveResult"]
+__all__ = ["DurableWriter"]
 
 
 class DurableWriter:
