@@ -3,9 +3,9 @@
 The two ends talk over a socketpair wrapped in a ``multiprocessing`` ``Connection``,
 which pickles what it sends. Each kind of message is one small frozen dataclass of plain
 fields, named here once, so both ends dispatch on types (``match``) instead of on the
-first item of a tuple, and a misspelt kind fails at import rather than being silently
-ignored at run time. The helper imports this module before ``import torch``: it must
-stay free of heavy imports.
+first item of a tuple, and a misspelt kind is an undefined name (ruff reports it) rather
+than a tuple that no branch ever matches. Both ends unpickle these classes: keep the
+module plain data, free of heavy imports.
 
 Training process to helper: :class:`Init` (first, once), then any number of
 :class:`Save`, :class:`Abort` and finally :class:`Stop` (or the socket closes).
