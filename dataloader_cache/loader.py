@@ -103,6 +103,53 @@ def _is_iterable_dataset(dataset: Any) -> bool:
     return not hasattr(dataset, "__getitem__") and hasattr(dataset, "__iter__")
 
 
+@dataclasses.dataclass
+class _Args:
+    """``CachedLoader``'s data arguments, as given and then resolved."""
+
+    dataset: Any
+    batch_size: int | None
+    seed: int | None
+    dp_rank: int | None
+    dp_world: int | None
+    shuffle: bool | None
+    drop_last: bool | None
+    collate_fn: Callable[[list[Any]], Any] | None
+
+    def take_from_dataloader(self, loader: DataLoader) -> None:
+        """Fill what was not given from a ``DataLoader`` (and its ``DistributedSampler``)."""
+        if self.batch_size is None and loader.batch_size is None:
+            raise ValueError(
+                "the DataLoader has no batch_size (custom batch_sampler or batch_size="
+                "None); pass batch_size= to CachedLoader"
+            )
+        self.dataset = loader.dataset
+        self.batch_size = self.batch_size if self.batch_size is not None else loader.batch_size
+        self.collate_fn = self.collate_fn or loader.collate_fn
+        self.drop_last = loader.drop_last if self.drop_last is None else self.drop_last
+        sampler = loader.sampler
+        if isinstance(sampler, DistributedSampler):  # keep its sharding and seed
+            self.shuffle = sampler.shuffle if self.shuffle is None else self.shuffle
+            self.seed = sampler.seed if self.seed is None else self.seed
+            self.dp_rank = sampler.rank if self.dp_rank is None else self.dp_rank
+            self.dp_world = sampler.num_replicas if self.dp_world is None else self.dp_world
+        elif self.shuffle is None:
+            self.shuffle = isinstance(sampler, RandomSampler)
+
+    def validate(self, worker_mode: str) -> None:
+        """Check the arguments; data-parallel coordinates default to torch.distributed's."""
+        if self.batch_size is None or self.batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if worker_mode not in ("thread", "process"):
+            raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
+        if self.dp_rank is None or self.dp_world is None:
+            r, w = _dist_rank_world()
+            self.dp_rank = r if self.dp_rank is None else self.dp_rank
+            self.dp_world = w if self.dp_world is None else self.dp_world
+        if not 0 <= self.dp_rank < self.dp_world:
+            raise ValueError(f"dp_rank {self.dp_rank} outside [0, dp_world={self.dp_world})")
+
+
 class _Iterator:
     """What ``iter(loader)`` returns; reads the loader's live position on every ``next``,
     so a ``seek`` during a ``for`` loop (a recovery rollback) takes effect immediately."""
@@ -157,50 +204,40 @@ class CachedLoader:
         **config_overrides: Any,
     ) -> None:
         self.config = _build_config(config, config_overrides)
+        args = _Args(data, batch_size, seed, dp_rank, dp_world, shuffle, drop_last, collate_fn)
         if isinstance(data, DataLoader):
-            if batch_size is None and data.batch_size is None:
-                raise ValueError(
-                    "the DataLoader has no batch_size (custom batch_sampler or batch_size="
-                    "None); pass batch_size= to CachedLoader"
-                )
-            dataset = data.dataset
-            batch_size = batch_size if batch_size is not None else data.batch_size
-            collate_fn = collate_fn or data.collate_fn
-            drop_last = data.drop_last if drop_last is None else drop_last
-            sampler = data.sampler
-            if isinstance(sampler, DistributedSampler):  # keep its sharding and seed
-                shuffle = sampler.shuffle if shuffle is None else shuffle
-                seed = sampler.seed if seed is None else seed
-                dp_rank = sampler.rank if dp_rank is None else dp_rank
-                dp_world = sampler.num_replicas if dp_world is None else dp_world
-            elif shuffle is None:
-                shuffle = isinstance(sampler, RandomSampler)
-        else:
-            dataset = data
-        if batch_size is None or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if worker_mode not in ("thread", "process"):
-            raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
-        if dp_rank is None or dp_world is None:
-            r, w = _dist_rank_world()
-            dp_rank = r if dp_rank is None else dp_rank
-            dp_world = w if dp_world is None else dp_world
-        if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank {dp_rank} outside [0, dp_world={dp_world})")
+            args.take_from_dataloader(data)
+        args.validate(worker_mode)
+        self._set_identity(args, job_id)
+        self._set_fingerprint(fingerprint)
+        self._open_caches()
+        n_threads = self._build_source(worker_mode)
+        self._start_workers(worker_mode, n_threads)
+        self._epoch = 0
+        self._step = 0
+        self._done = False  # iterable datasets: the stream of this epoch has ended
+        self._inflight: dict[tuple[int, int], Future[Any]] = {}
+        self._closed = False
 
-        self.dataset = dataset
-        self.batch_size = int(batch_size)
-        self.seed = 0 if seed is None else int(seed)
-        self.dp_rank = int(dp_rank)
-        self.dp_world = int(dp_world)
-        self.iterable = _is_iterable_dataset(dataset)
-        self.shuffle = (not self.iterable) if shuffle is None else bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.collate_fn = collate_fn or default_collate
+    # The steps of __init__, in order. Their warnings use stacklevel=3: one frame up
+    # from __init__, at the code that built the loader.
+    def _set_identity(self, args: _Args, job_id: str | None) -> None:
+        """The loader's settings, from the resolved arguments."""
+        self.dataset = args.dataset
+        self.batch_size = int(args.batch_size)
+        self.seed = 0 if args.seed is None else int(args.seed)
+        self.dp_rank = int(args.dp_rank)
+        self.dp_world = int(args.dp_world)
+        self.iterable = _is_iterable_dataset(args.dataset)
+        self.shuffle = (not self.iterable) if args.shuffle is None else bool(args.shuffle)
+        self.drop_last = bool(args.drop_last)
+        self.collate_fn = args.collate_fn or default_collate
         self.job_id = job_id or default_job_id()
         self.counters = Counters()
 
-        self.dataset_fingerprint = fingerprint or dataset_fingerprint(dataset)
+    def _set_fingerprint(self, fingerprint: str | None) -> None:
+        """The cache key's fingerprint: the dataset's, and everything that shapes a batch."""
+        self.dataset_fingerprint = fingerprint or dataset_fingerprint(self.dataset)
         self.fingerprint = combine(
             self.dataset_fingerprint,
             self.batch_size,
@@ -212,6 +249,8 @@ class CachedLoader:
             callable_name(self.collate_fn),
         )
 
+    def _open_caches(self) -> None:
+        """The node cache (when enabled) and the epoch cache (when configured)."""
         cfg = self.config
         self.node_cache: NodeBatchCache | None = None
         if cfg.enabled:
@@ -227,7 +266,7 @@ class CachedLoader:
             warnings.warn(
                 "dataloader_cache: the epoch cache needs sample indices and is not used for "
                 "iterable datasets (the node cache still is)",
-                stacklevel=2,
+                stacklevel=3,
             )
         elif cfg.epoch_cache_path:
             self.epoch_cache = EpochSampleCache(
@@ -237,11 +276,15 @@ class CachedLoader:
                 counters=self.counters,
             )
 
+    def _build_source(self, worker_mode: str) -> int:
+        """The batch source (and, for a map-style dataset, its sampler and worker
+        processes); returns how many prefetch threads it takes."""
+        cfg = self.config
         self._pool: ProcessPool | None = None
         self._source: MapSource | IterableSource
         if self.iterable:
             self._source = IterableSource(
-                dataset,
+                self.dataset,
                 self.batch_size,
                 self.collate_fn,
                 self.counters,
@@ -249,37 +292,39 @@ class CachedLoader:
                 dp_world=self.dp_world,
                 drop_last=self.drop_last,
             )
-            n_threads = min(1, cfg.workers)  # a stream is consumed by one worker
             if worker_mode == "process":
                 warnings.warn(
                     "dataloader_cache: worker_mode='process' needs a map-style dataset; "
                     "the iterable dataset is read by one prefetch thread",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-        else:
-            sampler = DeterministicSampler(
-                len(dataset),
-                self.batch_size,
-                seed=self.seed,
-                dp_rank=self.dp_rank,
-                dp_world=self.dp_world,
-                shuffle=self.shuffle,
-                drop_last=self.drop_last,
-            )
-            self.sampler = sampler
-            self._source = MapSource(
-                dataset, sampler, self.collate_fn, self.epoch_cache, self.counters
-            )
-            n_threads = cfg.workers
-            if worker_mode == "process" and cfg.workers > 0:
-                ec = None
-                if self.epoch_cache is not None:
-                    ec = (
-                        cfg.epoch_cache_path,
-                        self.dataset_fingerprint,
-                        cfg.epoch_cache_budget_bytes,
-                    )
-                self._pool = ProcessPool(cfg.workers, dataset, sampler, self.collate_fn, ec)
+            return min(1, cfg.workers)  # a stream is consumed by one worker
+        sampler = DeterministicSampler(
+            len(self.dataset),
+            self.batch_size,
+            seed=self.seed,
+            dp_rank=self.dp_rank,
+            dp_world=self.dp_world,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+        )
+        self.sampler = sampler
+        self._source = MapSource(
+            self.dataset, sampler, self.collate_fn, self.epoch_cache, self.counters
+        )
+        if worker_mode == "process" and cfg.workers > 0:
+            ec = None
+            if self.epoch_cache is not None:
+                ec = (
+                    cfg.epoch_cache_path,
+                    self.dataset_fingerprint,
+                    cfg.epoch_cache_budget_bytes,
+                )
+            self._pool = ProcessPool(cfg.workers, self.dataset, sampler, self.collate_fn, ec)
+        return cfg.workers
+
+    def _start_workers(self, worker_mode: str, n_threads: int) -> None:
+        """The prefetch threads, and the finalizer that stops them and the processes."""
         self.worker_mode = worker_mode if self._pool is not None else "thread"
         self._executor = (
             ThreadPoolExecutor(n_threads, thread_name_prefix="checkpointless-prefetch")
@@ -287,12 +332,6 @@ class CachedLoader:
             else None
         )
         self._finalizer = weakref.finalize(self, _shutdown, self._executor, self._pool)
-
-        self._epoch = 0
-        self._step = 0
-        self._done = False  # iterable datasets: the stream of this epoch has ended
-        self._inflight: dict[tuple[int, int], Future[Any]] = {}
-        self._closed = False
 
     # ------------------------------------------------------------------ position
     @property

@@ -400,11 +400,11 @@ def test_direct_file_falls_back_when_the_filesystem_refuses_direct_writes(tmp_pa
 
 
 def test_staging_is_paced_unless_the_caller_needs_its_buffer_sooner(tmp_path, monkeypatch):
-    from replication.durable import writer as writer_module
+    from replication.durable import staging as staging_module
     from replication.state import TrainingState
     from tests.helpers.training import Holder
 
-    monkeypatch.setattr(writer_module, "STAGE_BYTES_PER_S", 50e6)  # 32 MB: 0.64 s
+    monkeypatch.setattr(staging_module, "STAGE_BYTES_PER_S", 50e6)  # 32 MB: 0.64 s
     state = TrainingState()
     state.register("big", Holder({"w": torch.randn(8 << 20)}))
     engine = SnapshotEngine(state)

@@ -109,6 +109,8 @@ def test_helper_leaves_quietly_when_its_training_process_is_gone(tmp_path):
     import sys
     from multiprocessing.connection import Connection
 
+    from replication.durable.messages import Init
+
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parent, child = socket.socketpair()
     proc = subprocess.Popen(
@@ -117,8 +119,8 @@ def test_helper_leaves_quietly_when_its_training_process_is_gone(tmp_path):
         env=dict(os.environ, PYTHONPATH=repo))
     child.close()
     conn = Connection(parent.detach())
-    conn.send(("init", dict(path=str(tmp_path / "durable"), storage_options={}, rank=0,
-                            world_size=1, run_id="gone", keep_last=2)))
+    conn.send(Init(dict(path=str(tmp_path / "durable"), storage_options={}, rank=0,
+                        world_size=1, run_id="gone", keep_last=2)))
     conn.close()  # the training process is gone before the helper is ready
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and b"Traceback" not in err, err.decode()[-2000:]

@@ -42,7 +42,8 @@ from replication.durable.format import CorruptCheckpoint, DurableError
 from replication.durable.history import read_history
 from replication.durable.loader import LoadResult, load, load_latest, read_snapshot
 from replication.durable.saver import SaveResult
-from replication.durable.writer import DurableWriter, PersistTicket
+from replication.durable.ticket import PersistTicket
+from replication.durable.writer import DurableWriter
 
 __all__ = [
     "CheckpointInfo",

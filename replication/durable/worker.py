@@ -44,18 +44,30 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from replication.durable.messages import (
+    Abort,
+    Init,
+    Log,
+    Message,
+    Ready,
+    Result,
+    Save,
+    Stop,
+)
 from replication.durable.saver import (
     ABORTED,
     FAILED,
     STAGE_HEADER,
+    RankSaver,
     SaveResult,
     SaverSettings,
 )
 from replication.forked import ForkedProcess
 
 log = logging.getLogger("checkpointless.durable")
+M = TypeVar("M", bound=Message)
 
 HELPER_NICE = 10  # the helper yields the CPU to training when both want it
 READY_TIMEOUT_S = 300.0
@@ -144,7 +156,7 @@ class ProcessBackend:
             self.proc = ForkedProcess(taken.pid, args="durable helper (pre-forked)")
             self.conn = Connection(taken.sock.detach())
             self._ready, self._killed = False, False
-            self._send(("init", dataclasses.asdict(self.settings)))
+            self._send(Init(dataclasses.asdict(self.settings)))
             return
         parent, child = socket.socketpair()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -159,9 +171,9 @@ class ProcessBackend:
             child.close()
         self.conn = Connection(parent.detach())
         self._ready, self._killed = False, False
-        self._send(("init", dataclasses.asdict(self.settings)))
+        self._send(Init(dataclasses.asdict(self.settings)))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: Message) -> None:
         assert self.conn is not None
         with self._send_lock:
             self.conn.send(msg)
@@ -206,14 +218,14 @@ class ProcessBackend:
                 stage()
                 stage = None
             if not self._ready:
-                self._await("ready", READY_TIMEOUT_S)
+                self._await(Ready, READY_TIMEOUT_S)
                 self._ready = self.ever_ready = True
             self._job += 1
             job = self._job
-            msg = ("save", {"id": job, "meta": meta_bytes, "shm": shm_name or key,
-                            "fd": fd is not None, "offset": offset, "nbytes": nbytes,
-                            "verify": verify, "progressive": stage is not None,
-                            "live": live if live is not None else [shm_name or key]})
+            msg = Save(job=job, meta=meta_bytes, shm=shm_name or key, has_fd=fd is not None,
+                       offset=offset, nbytes=nbytes, verify=verify,
+                       progressive=stage is not None,
+                       live=live if live is not None else [shm_name or key])
             assert self.conn is not None and self.proc is not None
             with self._send_lock:
                 self.conn.send(msg)
@@ -223,10 +235,10 @@ class ProcessBackend:
                 try:
                     stage()
                 except BaseException:
-                    self._send(("abort", job))
-                    self._await("result", None)
+                    self._send(Abort(job))
+                    self._await(Result, None)
                     raise
-            return SaveResult(**self._await("result", None))
+            return SaveResult(**self._await(Result, None).result)
         except (EOFError, OSError, HelperError) as exc:
             code = None
             if self.proc is not None:  # a helper that stopped talking is finished for good
@@ -263,36 +275,38 @@ class ProcessBackend:
         """Handle what the helper has sent so far, without waiting; True once ready."""
         assert self.conn is not None
         while not self._ready and self.conn.poll(0):
-            msg = self.conn.recv()
-            if msg[0] == "log":
-                log.log(msg[1], "%s", msg[2])
-            elif msg[0] == "ready":
-                self._ready = self.ever_ready = True
+            match self.conn.recv():
+                case Log() as record:
+                    log.log(record.level, "%s", record.message)
+                case Ready():
+                    self._ready = self.ever_ready = True
         return self._ready
 
-    def _await(self, kind: str, timeout: float | None) -> Any:
+    def _await(self, kind: type[M], timeout: float | None) -> M:
+        """The next message of type ``kind`` (log records on the way are logged)."""
         assert self.conn is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if deadline is not None and not self.conn.poll(max(0.0, deadline - time.monotonic())):
-                raise HelperError(f"no {kind!r} from the writer helper within {timeout:.0f}s")
+                raise HelperError(
+                    f"no {kind.kind()!r} from the writer helper within {timeout:.0f}s")
             msg = self.conn.recv()
-            if msg[0] == "log":
-                log.log(msg[1], "%s", msg[2])
-            elif msg[0] == kind:
-                return msg[1]
+            if isinstance(msg, Log):
+                log.log(msg.level, "%s", msg.message)
+            elif isinstance(msg, kind):
+                return msg
 
     def abort_current(self) -> None:
         """Ask the helper to abandon the save in progress (later ones still run)."""
         try:
-            self._send(("abort", self._job))
+            self._send(Abort(self._job))
         except (OSError, AttributeError, AssertionError):
             pass
 
     def abort(self) -> None:
         """Ask the helper to abandon every save, the current one included (close)."""
         try:
-            self._send(("abort", None))
+            self._send(Abort(None))
         except (OSError, AttributeError, AssertionError):
             pass
 
@@ -306,7 +320,7 @@ class ProcessBackend:
         if self.proc is None:
             return
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except (OSError, AssertionError):
             pass
         try:
@@ -327,13 +341,13 @@ class ProcessBackend:
 
 # -- child side ---------------------------------------------------------------------------
 class _Forward(logging.Handler):
-    def __init__(self, send) -> None:
+    def __init__(self, send: Callable[[Message], None]) -> None:
         super().__init__(logging.INFO)
         self._send = send
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._send(("log", record.levelno, record.getMessage()))
+            self._send(Log(record.levelno, record.getMessage()))
         except Exception:  # the parent is gone: nothing to tell
             pass
 
@@ -370,23 +384,126 @@ class _Segments:
             del self._maps[name]
 
 
+@dataclass
+class _Job:
+    """A save as the helper runs it: the request, and its memfd once received."""
+
+    save: Save
+    fd: int | None = None
+    error: str = ""  # why the memfd did not arrive
+
+
+class _Control:
+    """The helper's reader: queues saves and applies aborts as they arrive, from a
+    thread of its own, so that an abort reaches the save in progress."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()  # None: no more saves
+        self.abort = threading.Event()  # set: abandon the current save
+        self._lock = threading.Lock()
+        self._current: int | None = None
+        self._aborted: set[int] = set()
+        self._closing = False
+
+    def read(self) -> None:
+        """Take messages until :class:`Stop` or the end of the socket."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the training process is gone
+                self._on_gone()
+                return
+            match msg:
+                case Save():
+                    self._on_save(msg)
+                case Abort():
+                    self._on_abort(msg)
+                case Stop():
+                    self.jobs.put(None)
+                    return
+
+    def _on_save(self, msg: Save) -> None:
+        job = _Job(msg)
+        if msg.has_fd:  # its descriptor follows the job
+            try:
+                job.fd = reduction.recv_handle(self.conn)
+            except (EOFError, OSError) as exc:
+                job.error = repr(exc)
+        self.jobs.put(job)
+
+    def _on_abort(self, msg: Abort) -> None:
+        with self._lock:
+            if msg.job is None:
+                self._closing = True
+            else:
+                self._aborted.add(msg.job)
+            if msg.job is None or msg.job == self._current:
+                self.abort.set()
+
+    def _on_gone(self) -> None:
+        with self._lock:
+            self._closing = True
+        self.abort.set()
+        self.jobs.put(None)
+
+    def begin(self, job: _Job) -> None:
+        """Make ``job`` the current save; aborted already if it (or every save) was."""
+        with self._lock:
+            self._current = job.save.job
+            if self._closing or job.save.job in self._aborted:
+                self.abort.set()
+            else:
+                self.abort.clear()
+
+
 def serve(conn: Connection) -> None:
-    lock = threading.Lock()
-
-    def send(msg: tuple) -> None:
-        with lock:
-            conn.send(msg)
-
-    logger = logging.getLogger("checkpointless.durable")
-    logger.addHandler(_Forward(send))
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    """The helper's main loop: start up, then run the saves one at a time, reporting
+    each result, until the training process stops it or goes away."""
+    send = _sender(conn)
+    _forward_logs(send)
     try:
         os.nice(HELPER_NICE)
     except OSError:
         pass
-    kind, settings = conn.recv()
-    assert kind == "init"
+    saver = _start_saver(conn)
+    control = _Control(conn)
+    threading.Thread(target=control.read, name="checkpointless-helper-reader",
+                     daemon=True).start()
+    send(Ready(os.getpid()))
+    segments = _Segments()
+    while (job := control.jobs.get()) is not None:
+        control.begin(job)
+        result = _run_save(saver, segments, job, control.abort)
+        try:
+            send(Result(result.to_json()))
+        except OSError:
+            break
+
+
+def _sender(conn: Connection) -> Callable[[Message], None]:
+    """``send(msg)``, safe from the log handler's threads as well as the main loop."""
+    lock = threading.Lock()
+
+    def send(msg: Message) -> None:
+        with lock:
+            conn.send(msg)
+
+    return send
+
+
+def _forward_logs(send: Callable[[Message], None]) -> None:
+    """Send the helper's ``checkpointless.durable`` records to the training process."""
+    logger = logging.getLogger("checkpointless.durable")
+    logger.addHandler(_Forward(send))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _start_saver(conn: Connection) -> RankSaver:
+    """Take the :class:`Init` message, import torch and DCP, and build the saver."""
+    init = conn.recv()
+    assert isinstance(init, Init)
     import torch
 
     torch.set_num_threads(1)
@@ -397,76 +514,34 @@ def serve(conn: Connection) -> None:
     if hasattr(torch.serialization, "set_crc32_options"):
         torch.serialization.set_crc32_options(False)
     import replication.durable.dcp_io  # noqa: F401  (DCP is slow to import: before ready)
-    from replication.durable.saver import RankSaver
+
+    return RankSaver(SaverSettings(**init.settings))
+
+
+def _run_save(
+    saver: RankSaver, segments: _Segments, job: _Job, abort: threading.Event
+) -> SaveResult:
+    """Run one save; report any failure as its result, never die of it."""
     from replication.snapshot_meta import SnapshotMeta
 
-    saver = RankSaver(SaverSettings(**settings))
-    jobs: queue.Queue = queue.Queue()
-    abort = threading.Event()  # set: abandon the current save
-    state = {"current": None, "aborted": set(), "closing": False}
-    state_lock = threading.Lock()
-
-    def reader() -> None:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the training process is gone
-                with state_lock:
-                    state["closing"] = True
-                abort.set()
-                jobs.put(None)
-                return
-            if msg[0] == "save":
-                if msg[1].pop("fd", False):  # its descriptor follows the job
-                    try:
-                        msg[1]["fd"] = reduction.recv_handle(conn)
-                    except (EOFError, OSError) as exc:
-                        msg[1]["error"] = repr(exc)
-                jobs.put(msg[1])
-            elif msg[0] == "abort":
-                with state_lock:
-                    if msg[1] is None:
-                        state["closing"] = True
-                    else:
-                        state["aborted"].add(msg[1])
-                    if msg[1] is None or msg[1] == state["current"]:
-                        abort.set()
-            elif msg[0] == "stop":
-                jobs.put(None)
-                return
-
-    threading.Thread(target=reader, name="checkpointless-helper-reader", daemon=True).start()
-    send(("ready", os.getpid()))
-    segments = _Segments()
-    while (job := jobs.get()) is not None:
-        with state_lock:
-            state["current"] = job["id"]
-            if state["closing"] or job["id"] in state["aborted"]:
-                abort.set()
-            else:
-                abort.clear()
-        meta = SnapshotMeta.from_bytes(job["meta"])
-        fd = job.get("fd")
-        try:
-            if job.get("error"):
-                raise HelperError(f"the snapshot's descriptor did not arrive: {job['error']}")
-            seg = segments.get(job["shm"], fd)
-            offset = int(job.get("offset", STAGE_HEADER))
-            buf = seg[offset : offset + job["nbytes"]]
-            wait = _staged_waiter(seg, abort) if job.get("progressive") else None
-            result = saver.save(meta, buf, abort, wait, verify=bool(job.get("verify")))
-            del seg, buf, wait
-        except BaseException as exc:  # report, never die silently
-            result = SaveResult(meta.step, saver.rank, FAILED, error=repr(exc)[:400])
-        if fd is not None:
-            os.close(fd)  # the mapping, if any, keeps the memory
-        segments.keep_only(job.get("live") or [job["shm"]])
-        if abort.is_set() and result.status == FAILED:
-            result.status = ABORTED
-        try:
-            send(("result", result.to_json()))
-        except OSError:
-            break
+    save = job.save
+    meta = SnapshotMeta.from_bytes(save.meta)
+    try:
+        if job.error:
+            raise HelperError(f"the snapshot's descriptor did not arrive: {job.error}")
+        seg = segments.get(save.shm, job.fd)
+        buf = seg[save.offset : save.offset + save.nbytes]
+        wait = _staged_waiter(seg, abort) if save.progressive else None
+        result = saver.save(meta, buf, abort, wait, verify=save.verify)
+        del seg, buf, wait
+    except BaseException as exc:  # report, never die silently
+        result = SaveResult(meta.step, saver.rank, FAILED, error=repr(exc)[:400])
+    if job.fd is not None:
+        os.close(job.fd)  # the mapping, if any, keeps the memory
+    segments.keep_only(save.live or [save.shm])
+    if abort.is_set() and result.status == FAILED:
+        result.status = ABORTED
+    return result
 
 
 def _staged_waiter(seg: Any, abort: threading.Event):

@@ -10,7 +10,7 @@ and returns at once with a :class:`PersistTicket`. The handshake:
 
   * zero-copy (``zero_copy=True``, what the runtime uses): the helper process reads
     the snapshot straight from its slot, which the snapshot engine allocated in
-    shared memory (:func:`~replication.slots.shared_location`; the descriptor is
+    shared memory (:func:`~replication.snapshot.shared_location`; the descriptor is
     passed to the helper), and checks it against the snapshot's digests itself
     before committing. The training process does no work for the save; ``released``
     fires when the save is over, so the caller needs a spare slot (the runtime's
@@ -38,97 +38,50 @@ Serialisation and I/O run in a helper process per rank by default
 slot or the staging buffer from shared memory, so ``torch.save``'s GIL-holding work
 never competes with the training loop; ``isolation="thread"`` runs the same code
 (:class:`~replication.durable.saver.RankSaver`) on the writer's thread.
+
+This module decides *whether* and *when* a step is saved (schedule, one save at a time,
+skips, results and the history CSV); the rest lives beside it: the caller's handle in
+:mod:`~replication.durable.ticket`, the path a save takes (helper or thread, in place or
+staged) in :mod:`~replication.durable.runner`, and the staging copy in
+:mod:`~replication.durable.staging`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing import shared_memory
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from replication.checksum import ChecksumMismatch, Hasher
 from replication.config import PersistenceConfig
-from replication.digest_copy import segment_trailer
-from replication.durable.format import persisted_digests, with_digests
 from replication.durable.history import HistoryRow, HistoryWriter
+from replication.durable.runner import SaveRunner
 from replication.durable.saver import (
     ABORTED,
     EXISTS,
     FAILED,
     OK,
     SKIPPED,
-    STAGE_HEADER,
-    RankSaver,
     SaveResult,
     SaverSettings,
-    unverified,
 )
-from replication.slots import shared_keys, shared_location
-from replication.snapshot_meta import SnapshotError, SnapshotMeta
+from replication.durable.ticket import Job, PersistTicket
+from replication.snapshot_meta import SnapshotMeta
+
+if TYPE_CHECKING:
+    from replication.durable.worker import ProcessBackend
 
 log = logging.getLogger("checkpointless.durable")
 
 TIER = "durable"
-STAGE_CHUNK = 1 << 20  # copy-then-hash granularity: the chunk is hashed from L2
-# Default pace of the staging copy: memory bandwidth is shared with training, and a copy
-# spread over tens of milliseconds disturbs it far less than one burst at full speed
-# (measured in benchmarks/bench_persist.py). Overlapped with serialisation, it barely
-# lengthens a save; submit(release_within_s=...) speeds it up when the caller needs its
-# buffer back sooner.
-STAGE_BYTES_PER_S = 1.5e9
 #: The longest a first save waits for the helper process to finish starting.
 WARM_UP_TIMEOUT_S = 60.0
 
-__all__ = ["DurableWriter", "PersistTicket", "SaveResult"]
-
-
-class PersistTicket:
-    """The caller's side of one :meth:`DurableWriter.submit`."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.released: Future[None] = Future()
-        self.done: Future[SaveResult] = Future()
-
-    def wait_released(self, timeout: float | None = None) -> bool:
-        """Block until the writer is done with the submitted buffer; False on timeout."""
-        try:
-            self.released.result(timeout)
-            return True
-        except TimeoutError:
-            return False
-
-    def result(self, timeout: float | None = None) -> SaveResult:
-        return self.done.result(timeout)
-
-    def _release(self) -> None:
-        if not self.released.done():
-            self.released.set_result(None)
-
-    def _finish(self, result: SaveResult) -> None:
-        self._release()
-        if not self.done.done():
-            self.done.set_result(result)
-
-
-@dataclass
-class _Job:
-    meta: SnapshotMeta
-    buffer: torch.Tensor
-    ticket: PersistTicket
-    release_by: float | None = None  # time.monotonic() deadline for ``released``
-    direct: bool = False  # read ``buffer`` in place (zero-copy or staging=False)
-    abort: threading.Event = dataclasses.field(default_factory=threading.Event)
+__all__ = ["DurableWriter"]
 
 
 class DurableWriter:
@@ -171,16 +124,13 @@ class DurableWriter:
             "TORCHELASTIC_RUN_ID") or "default"
         self.staging = staging
         self.zero_copy = zero_copy
-        self.isolation = isolation if staging else "thread"
+        self._isolation = isolation if staging else "thread"
         self._clock = clock
         self.enabled = bool(config.path)
-        self._staging_buf: torch.Tensor | None = None
-        self._shm: shared_memory.SharedMemory | None = None
-        self._progress: np.ndarray | None = None
+        self._runner: SaveRunner | None = None
         self._cond = threading.Condition()
-        self._pending: _Job | None = None
-        self._current: _Job | None = None
-        self._warned_private = False
+        self._pending: Job | None = None
+        self._current: Job | None = None
         self._busy_step: int | None = None
         self._busy_since = 0.0
         self._rows: list[HistoryRow] = []
@@ -194,7 +144,6 @@ class DurableWriter:
         self.newest_persisted_step = -1
         self.stats = {OK: 0, SKIPPED: 0, FAILED: 0, EXISTS: 0, ABORTED: 0, "committed": 0}
         self._thread: threading.Thread | None = None
-        self._backend = None
         self.warm_up_s = 0.0  # what the first submit waited for the helper to be ready
         if not self.enabled:
             return
@@ -204,22 +153,11 @@ class DurableWriter:
             prune=prune, retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
             progress_interval_s=progress_interval_s, max_write_mbps=max_write_mbps,
         )
-        self._saver = RankSaver(self.settings)  # in-process saves, and cleanup
-        self.fs, self.root, self.url = self._saver.fs, self._saver.root, self._saver.url
+        self._runner = SaveRunner(self.settings, self._abort)
+        saver = self._runner.saver
+        self.fs, self.root, self.url = saver.fs, saver.root, saver.url
         self._history = HistoryWriter(self.fs, self.root, rank)
-        if self.isolation == "process":
-            from replication.durable.worker import ProcessBackend
-
-            self._backend = ProcessBackend(self.settings)
-            try:
-                self._backend.start()  # imports torch in the background, off this process
-            except OSError as exc:
-                log.warning("durable writer of rank %d cannot start its helper process (%r); "
-                            "writing from a thread instead", rank, exc)
-                self._backend, self.isolation = None, "thread"
-        if self.isolation == "thread":
-            # DCP takes seconds to import: pay it here, not on the writer thread mid-training.
-            import replication.durable.dcp_io  # noqa: F401
+        self._runner.start(self._isolation)
         if config.every_n_steps <= 0 and config.interval_s <= 0 and rank == 0:
             log.warning("persistence.path is set but neither persistence.every_n_steps nor "
                         "persistence.interval_s: nothing is persisted unless forced")
@@ -268,9 +206,10 @@ class DurableWriter:
 
         ``buffer`` must stay unchanged until ``ticket.released`` completes. A zero-copy
         writer reads it until the save is over. Otherwise the staging copy runs at
-        ``STAGE_BYTES_PER_S`` (about 85 ms per 128 MB); pass ``release_within_s`` (e.g.
-        the time until the caller captures into this buffer again) to have it hurry
-        when that would be too late (a zero-copy writer then stages this save).
+        :data:`~replication.durable.staging.STAGE_BYTES_PER_S` (about 85 ms per 128 MB);
+        pass ``release_within_s`` (e.g. the time until the caller captures into this
+        buffer again) to have it hurry when that would be too late (a zero-copy writer
+        then stages this save).
         """
         ticket = PersistTicket(meta.step)
         if not self.enabled:
@@ -298,7 +237,7 @@ class DurableWriter:
             else:
                 release_by = None if release_within_s is None else now + release_within_s
                 direct = not self.staging or (self.zero_copy and release_by is None)
-                self._pending = _Job(meta, buffer, ticket, release_by, direct)
+                self._pending = Job(meta, buffer, ticket, release_by, direct)
                 self._busy_step, self._busy_since = meta.step, now
                 self._cond.notify_all()
                 return ticket
@@ -408,9 +347,8 @@ class DurableWriter:
                     self._backend.kill()
         self._thread.join(timeout=max(5.0, timeout))
         self._thread = None
-        if self._backend is not None:
-            self._backend.stop()
-        self._release_staging()
+        assert self._runner is not None
+        self._runner.stop()
 
     def __enter__(self) -> DurableWriter:
         return self
@@ -421,7 +359,23 @@ class DurableWriter:
     @property
     def staging_bytes(self) -> int:
         """Host memory held by the staging buffer (0 until the first save)."""
-        return 0 if self._staging_buf is None else self._staging_buf.numel()
+        return 0 if self._runner is None else self._runner.staging.nbytes
+
+    @property
+    def isolation(self) -> str:
+        """Where saves run: ``"process"`` (the helper) or ``"thread"`` (also after giving
+        up on a helper that could not start)."""
+        return self._isolation if self._runner is None else self._runner.isolation
+
+    @property
+    def _backend(self) -> ProcessBackend | None:
+        """The helper process's handle, while saves run there."""
+        return None if self._runner is None else self._runner.backend
+
+    @property
+    def _shm(self) -> shared_memory.SharedMemory | None:
+        """The shared staging segment (``None``: none, or a private staging buffer)."""
+        return None if self._runner is None else self._runner.staging.shm
 
     @property
     def busy(self) -> bool:
@@ -429,6 +383,8 @@ class DurableWriter:
 
     # -- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
+        runner = self._runner
+        assert runner is not None
         while True:
             with self._cond:
                 while self._pending is None and not self._rows and not self._closed:
@@ -447,7 +403,7 @@ class DurableWriter:
                         return
                 continue
             try:
-                result = self._process(job)
+                result = runner.run(job)
             except BaseException as exc:  # never let the thread die with a job unfinished
                 log.exception("durable writer of rank %d crashed on step %d", self.rank,
                               job.meta.step)
@@ -485,224 +441,3 @@ class DurableWriter:
             f" {self.consecutive_failures + 1} saves in a row have failed: check the storage "
             f"at {self.url}." if self.consecutive_failures >= 2 else "",
         )
-
-    def _process(self, job: _Job) -> SaveResult:
-        step = job.meta.step
-        t0, cpu0 = time.monotonic(), time.thread_time()
-        n = job.meta.layout.nbytes
-        if job.direct:
-            result = self._process_direct(job)
-        else:
-            # Digests of the bytes as a loader will rebuild them (alignment padding
-            # zeroed); read from the source's few padding bytes, so the save can start
-            # before staging.
-            meta = with_digests(job.meta, persisted_digests(job.buffer, job.meta))
-            if self._staging_buf is None or self._staging_buf.numel() < n:
-                self._allocate_staging(n)
-            if self._backend is not None and self._shm is not None:
-                result = self._process_in_helper(job, meta)
-            else:
-                try:
-                    buf = self._stage(job, None)
-                except (ChecksumMismatch, SnapshotError) as exc:
-                    return _unverified(step, self.rank, exc)
-                finally:
-                    job.ticket._release()
-                result = self._saver.save(meta, buf, job.abort)
-        result.duration_s = time.monotonic() - t0
-        result.cpu_s += time.thread_time() - cpu0
-        return result
-
-    def _process_direct(self, job: _Job) -> SaveResult:
-        """Persist straight from the caller's buffer: no copy in this process when the
-        buffer is in shared memory and the helper is up (it verifies the bytes itself,
-        after writing them and before committing), else from this thread."""
-        n = job.meta.layout.nbytes
-        where = shared_location(job.buffer) if self._backend is not None else None
-        if where is not None:
-            assert self._backend is not None
-            live = shared_keys() + ([self._shm.name] if self._shm is not None else [])
-            result = self._backend.save(job.meta.to_bytes(), job.meta.step, None, n,
-                                        offset=where.offset, fd=where.fd, key=where.key,
-                                        verify=True, live=live)
-            self._check_helper(result)
-            return result
-        if self._backend is not None and not self._warned_private:
-            self._warned_private = True
-            log.warning("durable writer of rank %d: the snapshot buffer is not in shared "
-                        "memory; persisting it from a thread of the training process",
-                        self.rank)
-        return self._saver.save(job.meta, job.buffer[:n], job.abort, verify=True)
-
-    def _check_helper(self, result: SaveResult) -> None:
-        """After a helper save: clean up after a helper that died mid-save, and give up
-        on one that never started (persist from a thread from then on)."""
-        assert self._backend is not None
-        if result.status in (FAILED, ABORTED) and not self._backend.alive:
-            self._saver.cleanup(result.step)  # the helper died mid-save
-            if not self._backend.ever_ready and not self._abort.is_set():
-                log.error("durable writer of rank %d: the helper process failed to start "
-                          "(%s); persisting from a thread of the training process from "
-                          "now on", self.rank, result.error)
-                self._backend.stop()
-                self._backend, self.isolation = None, "thread"
-                import replication.durable.dcp_io  # noqa: F401
-
-    def _process_in_helper(self, job: _Job, meta: SnapshotMeta) -> SaveResult:
-        """Staging and writing overlap: the helper starts serialising the first tensors
-        while later ones are still being copied, and waits wherever it catches up.
-        A segment counts as staged only once its copy has passed verification, so the
-        helper can never finish (let alone commit) a step whose copy is bad."""
-        assert self._backend is not None and self._shm is not None
-        step, n = meta.step, meta.layout.nbytes
-        progress = self._progress
-        assert progress is not None
-        progress[0] = 0
-        failure: list[str] = []  # a message, not the exception: its traceback pins buffers
-
-        def stage() -> None:
-            try:
-                self._stage(job, lambda end: progress.__setitem__(0, end))
-            except (ChecksumMismatch, SnapshotError) as exc:
-                failure.append(str(exc))
-                raise
-            finally:
-                job.ticket._release()
-
-        live = [*shared_keys(), self._shm.name]
-        try:
-            result = self._backend.save(meta.to_bytes(), step, self._shm.name, n, stage,
-                                        live=live)
-        except (ChecksumMismatch, SnapshotError):
-            failure = failure or ["staging failed"]
-        if failure:  # the helper was told to abandon the save
-            self._saver.cleanup(step)
-            return _unverified(step, self.rank, failure[0])
-        self._check_helper(result)
-        return result
-
-    # -- staging --------------------------------------------------------------------------
-    def _stage(self, job: _Job, on_progress) -> torch.Tensor:
-        n = job.meta.layout.nbytes
-        assert self._staging_buf is not None
-        staged = self._staging_buf[:n]
-        rate = STAGE_BYTES_PER_S
-        if job.release_by is not None:
-            left = job.release_by - time.monotonic()
-            rate = 0.0 if left <= 0 else max(rate, n / (0.7 * left))  # 0: full speed
-        copy_verified(staged, job.buffer[:n], job.meta, rate, on_progress)
-        return staged
-
-    def _allocate_staging(self, n: int) -> None:
-        self._release_staging()
-        if self._backend is not None:
-            shm = _shared_buffer(STAGE_HEADER + n)
-            if shm is not None:
-                self._shm = shm
-                self._progress = np.frombuffer(shm.buf, dtype=np.int64, count=1)
-                self._staging_buf = torch.frombuffer(shm.buf, dtype=torch.uint8, count=n,
-                                                     offset=STAGE_HEADER)
-                return
-            log.warning("durable writer of rank %d: no room for a %d MB shared staging buffer "
-                        "in /dev/shm; persisting from a thread of the training process",
-                        self.rank, n >> 20)
-            self._backend.stop()
-            self._backend, self.isolation = None, "thread"
-            import replication.durable.dcp_io  # noqa: F401
-        self._staging_buf = torch.empty(n, dtype=torch.uint8)
-
-    def _release_staging(self) -> None:
-        self._staging_buf = None
-        self._progress = None
-        if self._shm is not None:
-            shm, self._shm = self._shm, None
-            try:
-                shm.close()
-            except BufferError:  # a view still alive in a reference cycle
-                gc.collect()
-                with contextlib.suppress(BufferError):
-                    shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
-
-
-def _unverified(step: int, rank: int, why: object) -> SaveResult:
-    return SaveResult(step, rank, FAILED, error=unverified(why))
-
-
-def _shared_buffer(n: int) -> shared_memory.SharedMemory | None:
-    """A shared-memory segment of ``n`` bytes with its pages reserved, or None.
-
-    Reserving matters: /dev/shm is often small (64 MB in a default Docker container)
-    and writing past its capacity kills the process with SIGBUS instead of an error.
-    """
-    try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize < n:
-            return None
-    except OSError:
-        pass
-    try:
-        shm = shared_memory.SharedMemory(create=True, size=max(n, 1))
-    except OSError:
-        return None
-    fd = getattr(shm, "_fd", -1)
-    if fd >= 0 and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, max(n, 1))
-        except OSError:
-            shm.close()
-            shm.unlink()
-            return None
-    return shm
-
-
-def copy_verified(
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    meta: SnapshotMeta,
-    max_bytes_per_s: float = 0.0,
-    on_progress=None,
-) -> None:
-    """Copy a snapshot buffer and check the copy against ``meta``'s segment digests.
-
-    Each 1 MiB chunk is hashed right after it is copied, from cache (one pass over
-    memory instead of two). A mismatch means the source changed or was corrupted before
-    the copy: a caller that reused its buffer before ``released``, for instance.
-    ``max_bytes_per_s`` spreads the copy out: a burst at full memory bandwidth slows a
-    training loop on the same host far more than the same bytes moved over a few tens
-    of milliseconds. ``on_progress(end)`` reports that ``dst[:end]`` is final (a
-    segment's last chunk only once the whole segment has passed verification).
-    """
-    end = 0
-    t0, done = time.monotonic(), 0
-    for seg in meta.layout.segments:
-        if seg.offset > end:
-            dst[end : seg.offset].copy_(src[end : seg.offset])
-        hasher = Hasher()
-        seg_end = seg.offset + seg.nbytes
-        for off in range(seg.offset, seg_end, STAGE_CHUNK):
-            hi = min(off + STAGE_CHUNK, seg_end)
-            dst[off:hi].copy_(src[off:hi])
-            hasher.update(dst[off:hi])
-            if on_progress is not None and hi < seg_end:
-                on_progress(hi)
-            done += hi - off
-            if max_bytes_per_s:
-                ahead = done / max_bytes_per_s - (time.monotonic() - t0)
-                if ahead > 0.0005:
-                    time.sleep(ahead)
-        hasher.update(segment_trailer(seg, meta.skeletons[seg.name]))
-        got = hasher.hexdigest()
-        if got != meta.digests[seg.name]:
-            raise ChecksumMismatch(
-                f"snapshot of step {meta.step}: segment {seg.name!r} checksum {got} != "
-                f"recorded {meta.digests[seg.name]}"
-            )
-        end = seg_end
-        if on_progress is not None:
-            on_progress(end)
-    if dst.numel() > end:
-        dst[end:].copy_(src[end:])
-    if on_progress is not None:
-        on_progress(dst.numel())
