@@ -10,7 +10,7 @@ and returns at once with a :class:`PersistTicket`. The handshake:
 
   * zero-copy (``zero_copy=True``, what the runtime uses): the helper process reads
     the snapshot straight from its slot, which the snapshot engine allocated in
-    shared memory (:func:`~replication.snapshot.shared_location`; the descriptor is
+    shared memory (:func:`~replication.slots.shared_location`; the descriptor is
     passed to the helper), and checks it against the snapshot's digests itself
     before committing. The training process does no work for the save; ``released``
     fires when the save is over, so the caller needs a spare slot (the runtime's
