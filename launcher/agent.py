@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from launcher import reaper, worker_output
 from launcher import rendezvous as rdzv
-from launcher.config import CheckpointlessConfig, config_to_json
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
@@ -54,6 +53,7 @@ from launcher.worker_procs import (
 )
 from launcher.zygote import Zygote
 from recovery import auth, protocol
+from recovery.recipe import CheckpointlessConfig, config_to_json
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job

@@ -59,16 +59,12 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from recovery.errors import FailureDetected
+from recovery.errors import CollectiveAborted, FailureDetected
 from recovery.protocol import gen_prefix
 from replication.abortable_gloo import AbortableGloo
 
 BACKEND_NAME = "checkpointless"
 _INNER_DEFAULT = {"cpu": "gloo", "cuda": "nccl"}
-
-
-class CollectiveAborted(FailureDetected):
-    """A collective was failed on purpose: a failure was declared somewhere in the job."""
 
 
 def _unwrap(trigger: torch.futures.Future) -> Any:
@@ -868,12 +864,11 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
     """
     from recovery import protocol
     from recovery.env import WorkerEnv
-    from recovery.settings import RuntimeSettings
+    from recovery.recipe import worker_config
 
     register_backend()
     wenv = WorkerEnv.from_environ(env)
-    settings = RuntimeSettings.from_json(wenv.config_json) if wenv.config_json \
-        else RuntimeSettings()
+    settings = worker_config(wenv.config_json)
     ctl = _controller
     ctl.ordered_allreduce = settings.recovery.ordered_allreduce
     if ctl.store is None:
