@@ -43,7 +43,6 @@ from typing import Any
 import torch.distributed as dist
 
 from launcher import job_outcome, job_store, liveness, membership, reaper, worker_output
-from launcher.config import CheckpointlessConfig, config_to_json
 from launcher.node_loss import EXIT_FENCED, LostGroup, NodeLossHandling
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
@@ -58,6 +57,7 @@ from launcher.worker_procs import (
 )
 from launcher.zygote import Zygote
 from recovery import auth, protocol
+from recovery.recipe import CheckpointlessConfig, config_to_json
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 #: A pass of the agent's loop longer than this is reported (``agent_stalled``).

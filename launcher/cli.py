@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from launcher.commands import load_commands
-from launcher.config import ConfigError
+from recovery.recipe import ConfigError
 
 PROG = "checkpointless"
 EXIT_USAGE = 2

@@ -27,9 +27,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from launcher.config import RESERVED_ENV_PREFIX
 from launcher.job_secret import ENV_SECRET
 from recovery import protocol
+from recovery.recipe import RESERVED_ENV_PREFIX
 
 ROLE_NAME = "default"
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from launcher import worker_output
 from launcher.zygote import Zygote, ZygoteError
+from recovery.events import Event
 from replication.forked import ForkedProcess
 
 SPARE_MODULE = "launcher.spare"
@@ -202,7 +203,7 @@ class SparePool:
         worker_output.relay(proc, "spare")
         forked = isinstance(proc, ForkedProcess)
         extra = {"fork_s": round(self.zygote.last_fork_s, 4)} if forked and self.zygote else {}
-        self._emit("spare_start", pid=proc.pid, forked=forked, **extra)
+        self._emit(Event.SPARE_START, pid=proc.pid, forked=forked, **extra)
         return proc
 
     def _new_spare(self) -> Spare | None:
@@ -212,7 +213,7 @@ class SparePool:
                 try:
                     return z.fork_spare(args=SPARE_MODULE)
                 except ZygoteError as exc:
-                    self._emit("spare_fork_failed", reason=str(exc))
+                    self._emit(Event.SPARE_FORK_FAILED, reason=str(exc))
             elif time.monotonic() - self._zygote_since < self.zygote_wait_s:
                 return None
         return subprocess.Popen(
@@ -225,10 +226,10 @@ class SparePool:
         """Reap spares that died while idle and start new ones (within the budget)."""
         for proc in [p for p in self._idle if p.poll() is not None]:
             self._idle.remove(proc)
-            self._emit("spare_exit", pid=proc.pid, exitcode=proc.returncode)
+            self._emit(Event.SPARE_EXIT, pid=proc.pid, exitcode=proc.returncode)
             if self._restarts_left <= 0:
                 self.size = len(self._idle)
-                self._emit("spare_pool_shrunk", size=self.size)
+                self._emit(Event.SPARE_POOL_SHRUNK, size=self.size)
                 continue
             self._restarts_left -= 1
         self.fill()
@@ -249,7 +250,7 @@ class SparePool:
             try:
                 return self._started(self.zygote.fork_spare(args=SPARE_MODULE))
             except ZygoteError as exc:
-                self._emit("spare_fork_failed", reason=str(exc))
+                self._emit(Event.SPARE_FORK_FAILED, reason=str(exc))
         return None
 
     @staticmethod

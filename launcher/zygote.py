@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from recovery.events import Event
 from replication.forked import ForkedProcess
 
 ZYGOTE_MODULE = "launcher.zygote"
@@ -84,7 +85,7 @@ class Zygote:
         finally:
             theirs.close()
         self._sock = ours
-        self._emit("zygote_start", pid=self.proc.pid)
+        self._emit(Event.ZYGOTE_START, pid=self.proc.pid)
 
     @property
     def usable(self) -> bool:
@@ -102,7 +103,7 @@ class Zygote:
                 return False
             if msg.get("ready"):
                 self._ready = True
-                self._emit("zygote_ready", pid=self.proc.pid if self.proc else None)
+                self._emit(Event.ZYGOTE_READY, pid=self.proc.pid if self.proc else None)
         return self._ready
 
     def fork_spare(self, args: Any = None) -> ForkedProcess:
@@ -149,7 +150,7 @@ class Zygote:
     def _fail(self, why: str) -> None:
         if self.failed is None:
             self.failed = why
-            self._emit("zygote_failed", reason=why)
+            self._emit(Event.ZYGOTE_FAILED, reason=why)
 
     def stop(self) -> None:
         if self._sock is not None:

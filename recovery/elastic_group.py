@@ -59,13 +59,13 @@ from torch._C._distributed_c10d import (
 )
 
 from recovery.elastic_work import (
-    CollectiveAborted,
     _as_failure,
     _completed,
     _Op,
     _Work,
     _WorkWaiter,
 )
+from recovery.errors import CollectiveAborted
 
 if TYPE_CHECKING:
     from recovery.elastic_controller import Controller, _Inner

@@ -119,12 +119,11 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
     """
     from recovery import protocol
     from recovery.env import WorkerEnv
-    from recovery.settings import RuntimeSettings
+    from recovery.recipe import worker_config
 
     register_backend()
     wenv = WorkerEnv.from_environ(env)
-    settings = RuntimeSettings.from_json(wenv.config_json) if wenv.config_json \
-        else RuntimeSettings()
+    settings = worker_config(wenv.config_json)
     ctl = controller()
     ctl.ordered_allreduce = settings.recovery.ordered_allreduce
     if ctl.store is None:

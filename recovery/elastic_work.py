@@ -18,11 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recovery.errors import FailureDetected
-
-
-class CollectiveAborted(FailureDetected):
-    """A collective was failed on purpose: a failure was declared somewhere in the job."""
+from recovery.errors import CollectiveAborted, FailureDetected
 
 
 def _unwrap(trigger: torch.futures.Future) -> Any:

@@ -12,6 +12,23 @@ class FailureDetected(RuntimeError):
         self.local = local  # raised by this rank's own code (not observed from a peer)
 
 
+class CollectiveAborted(FailureDetected):
+    """A collective was failed on purpose: a failure was declared somewhere in the job,
+    or an inner backend's socket to a peer broke (``recovery.elastic_group``).
+
+    Each one is counted (:attr:`raised`): a framework that flattens this error into a
+    message of its own (DDP's comm hook) loses its type, and
+    :func:`recovery.causes.classify` still knows that an exception raised after a
+    collective was aborted is a consequence, not this rank's bug.
+    """
+
+    raised = 0
+
+    def __init__(self, cause: str, *, local: bool = False) -> None:
+        super().__init__(cause, local=local)
+        type(self).raised += 1
+
+
 class RecoveryImpossible(RuntimeError):
     """Some rank's state has no surviving in-memory copy (the message says which)."""
 

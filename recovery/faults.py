@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from recovery.errors import InjectedFault
+from recovery.events import Event
 from recovery.fault_spec import FaultSpec
 from recovery.protocol import COMMITTED_KEY, fault_key
 from replication.commit import committed_step
@@ -42,7 +43,7 @@ class FaultInjector:
 
     def _fire(self, spec: FaultSpec) -> None:
         if self.log is not None:
-            self.log.emit("fault_injected", fault=str(spec), rank=spec.rank, step=spec.step,
+            self.log.emit(Event.FAULT_INJECTED, fault=str(spec), rank=spec.rank, step=spec.step,
                           phase=spec.phase, kind=spec.kind,
                           committed=committed_step(self.store, COMMITTED_KEY))
         if spec.kind == "exception":

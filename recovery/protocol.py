@@ -35,6 +35,8 @@ from typing import Any
 import torch.distributed as dist
 
 from recovery import auth
+from recovery.causes import CONSEQUENTIAL, FailureCause
+from recovery.events import registered
 from replication import signing
 
 PREFIX = "cl"
@@ -217,10 +219,6 @@ def recoveries(store: dist.Store) -> int:
     return current_generation(store)
 
 
-#: Causes that are consequences of another failure: a survivor's failed collective, a
-#: rank whose recovery broke because another failure came. They make generations but
-#: are not failures of their own; the agent declares the process or node behind them.
-CONSEQUENTIAL_CAUSES = frozenset({"peer_failure", "failure_during_recovery", "replacement"})
 #: A job whose generations outrun its failures this much is not converging (say, a
 #: partition that only ever shows as peer failures); it stops instead of looping.
 GENERATIONS_PER_FAILURE = 4
@@ -234,13 +232,13 @@ def failure_identity(observed_gen: int, cause: dict[str, Any]) -> str | None:
     exception is one rank's, in the generation it ran in.
     """
     kind = cause.get("kind")
-    if kind in CONSEQUENTIAL_CAUSES or kind is None:
+    if kind in CONSEQUENTIAL or kind is None:
         return None
-    if kind in ("worker_exit", "worker_hung"):
+    if kind in (FailureCause.WORKER_EXIT, FailureCause.WORKER_HUNG):
         return f"process-{cause.get('rank')}-{cause.get('pid')}"
-    if kind == "node_lost":
+    if kind == FailureCause.NODE_LOST:
         return f"node-{cause.get('node')}-{cause.get('agent_pid')}"
-    if kind == "exception":
+    if kind == FailureCause.EXCEPTION:
         return f"exception-{cause.get('rank')}-g{observed_gen}"
     return f"{kind}-{cause.get('rank')}-g{observed_gen}"
 
@@ -361,7 +359,9 @@ class EventLog:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"ts": time.time(), "event": event, "source": self.source, **fields}
+        """Append one event; ``event`` must be registered (:class:`recovery.events.Event`)."""
+        record = {"ts": time.time(), "event": str(registered(event)), "source": self.source,
+                  **fields}
         line = (json.dumps(record, default=str) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -31,14 +31,15 @@ import torch.distributed as dist
 import xxhash
 
 from recovery import auth, elastic_controller, process_groups, protocol, user_errors
+from recovery.causes import FailureCause, classify
 from recovery.durable_restore import agree_and_read
 from recovery.env import WorkerEnv
-from recovery.errors import FailureDetected, Fenced, InjectedFault, RecoveryImpossible
+from recovery.errors import CollectiveAborted, FailureDetected, Fenced, RecoveryImpossible
+from recovery.events import Event
 from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
+from recovery.recipe import CheckpointlessConfig, worker_config
 from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
-from recovery.settings import RuntimeSettings
-from recovery.transfer import receive_state, reseed_replicas, send_state
 from recovery.watchdog import Watchdog
 from replication.commit import UntrustedCommit, committed_step
 from replication.memory import MemoryBudgetError
@@ -82,7 +83,7 @@ class Checkpointless:
         scaler: Any = None,
         loader: Any = None,
         extra: dict[str, Any] | None = None,
-        settings: RuntimeSettings | None = None,
+        settings: CheckpointlessConfig | None = None,
         backend: str = "gloo",
         env: WorkerEnv | None = None,
         state: TrainingState | None = None,
@@ -93,10 +94,7 @@ class Checkpointless:
         :meth:`start`, for callers whose training state does not exist yet."""
         self.env = env or WorkerEnv.from_environ()
         _refuse_unlaunched_multiprocess(self.env)
-        self.settings = settings or (
-            RuntimeSettings.from_json(self.env.config_json)
-            if self.env.config_json else RuntimeSettings()
-        )
+        self.settings = settings or worker_config(self.env.config_json)
         self.backend = backend
         self.rank, self.world_size = self.env.rank, self.env.world_size
         self.state = state if state is not None else TrainingState()
@@ -107,7 +105,7 @@ class Checkpointless:
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
         # Store values that fail the job-key check are ignored and reported here.
-        auth.set_reporter(lambda **f: self.log.emit("auth_rejected", rank=self.rank, **f))
+        auth.set_reporter(lambda **f: self.log.emit(Event.AUTH_REJECTED, rank=self.rank, **f))
         self.store = self._connect_store()
         rec = self.settings.recovery
         fault_text = rec.fault or os.environ.get("CHECKPOINTLESS_RECOVERY_FAULT", "")
@@ -135,6 +133,7 @@ class Checkpointless:
         self._dp_entries: set[str] = set()  # state entries declared data-parallel (drift watch)
         self._transfer_parts: dict[str, float] = {}
         self._repeats = user_errors.RepeatGuard()
+        self._aborted_mark = CollectiveAborted.raised
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
         self.watchdog.start(self.gen)
         # Registered first so it runs last: exit at once if abandoned gloo groups remain.
@@ -155,7 +154,7 @@ class Checkpointless:
         for frameworks that build their state after the process group exists.
         """
         if self.env.replacement or self.gen > 0:
-            self.restored_step = self._recover({"kind": "replacement"}, newcomer=True)
+            self.restored_step = self._recover({"kind": FailureCause.REPLACEMENT}, newcomer=True)
         else:
             try:
                 self._setup_generation(0)
@@ -165,7 +164,7 @@ class Checkpointless:
             if self.restored_step is None and initial_snapshot:
                 self.commit_initial(0)  # the initial state is step 0, committed first
         self.start_step = (self.restored_step or 0) + 1
-        self.log.emit("worker_ready", rank=self.rank, gen=self.gen, start_step=self.start_step,
+        self.log.emit(Event.WORKER_READY, rank=self.rank, gen=self.gen, start_step=self.start_step,
                       replacement=self.env.replacement)
         return self.start_step
 
@@ -244,7 +243,7 @@ class Checkpointless:
         if len(groups) == 1:
             return
         split = " vs ".join(str(ranks) for ranks in sorted(groups.values()))
-        self.log.emit("replicas_differ", rank=self.rank, step=self.step, groups=split)
+        self.log.emit(Event.REPLICAS_DIFFER, rank=self.rank, step=self.step, groups=split)
         if self.rank == 0:
             print(f"checkpointless: WARNING: all_reduce_gradients averages the gradients of "
                   f"a model whose weights already differ across ranks at step {self.step} "
@@ -343,15 +342,15 @@ class Checkpointless:
         self._report_divergence()
         if self._resumed_from is not None:
             info, self._resumed_from = self._resumed_from, None
-            self.log.emit("resumed", rank=self.rank, step=step,
+            self.log.emit(Event.RESUMED, rank=self.rank, step=step,
                           resume_s=time.time() - info["recovered_at"], **info)
         # Waits of optimizer steps for an overlapped snapshot copy, since the last step.
-        fenced = self.replicator.engine.fence_wait_s
+        fenced = self.replicator.fence_wait_s
         fence_s, self._fence_mark = max(0.0, fenced - self._fence_mark), fenced
         if self.rank == 0:
             # the round that snapshot() just waited for (the previous snapshot's), if any
             rnd = self.replicator.last_round if stall is not None else None
-            self.log.emit("step", step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
+            self.log.emit(Event.STEP, step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
                           replicated=dataclasses.asdict(rnd) if rnd is not None else None)
 
     def _maybe_resume(self) -> int | None:
@@ -361,7 +360,7 @@ class Checkpointless:
         if not p.path or p.resume != "auto":
             return None
         return self._restore_from_durable(
-            0, "durable_resume", f"persistence.resume=auto and {p.path!r} holds checkpoints")
+            0, Event.DURABLE_RESUME, f"persistence.resume=auto and {p.path!r} holds checkpoints")
 
     def _make_durable_writer(self) -> Any:
         """The durable tier's background writer, when ``persistence.path`` is set."""
@@ -389,8 +388,8 @@ class Checkpointless:
             return
         if not self.durable.should_persist(last.step):
             return
-        engine = self.replicator.engine
-        slot = engine.slot_for(last.step)
+        replicator = self.replicator
+        slot = replicator.own_snapshot(last.step)
         assert slot.buffer is not None
         ticket = self._persist_ticket = self.durable.submit(slot.meta(), slot.buffer)
         self._persisted_step = last.step
@@ -402,8 +401,8 @@ class Checkpointless:
                 ticket.wait_released()
 
         # The slot must not be captured into until the writer is done reading it.
-        engine.hold(slot, wait)
-        ticket.released.add_done_callback(lambda _f: engine.unhold(slot, wait))
+        replicator.hold_slot(slot, wait)
+        ticket.released.add_done_callback(lambda _f: replicator.unhold_slot(slot, wait))
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.
@@ -425,7 +424,7 @@ class Checkpointless:
         Events, and one console line per finding or per recovery; training goes on."""
         assert self.replicator is not None
         for step, name, split in self.replicator.drift.take():
-            self.log.emit("replicas_drifted", rank=self.rank, step=step, entry=name,
+            self.log.emit(Event.REPLICAS_DRIFTED, rank=self.rank, step=step, entry=name,
                           split=split)
             if self.rank == 0:
                 print(f"checkpointless: WARNING: state entry {name!r} was {split} at step "
@@ -433,8 +432,8 @@ class Checkpointless:
                       "all-reduced, a rank-dependent update, a non-deterministic "
                       "collective); the ranks no longer train one model.",
                       file=sys.stderr, flush=True)
-        for step, names in self.replicator.engine.replay.take_differences():
-            self.log.emit("replay_diverged", rank=self.rank, step=step, gen=self.gen,
+        for step, names in self.replicator.take_replay_differences():
+            self.log.emit(Event.REPLAY_DIVERGED, rank=self.rank, step=step, gen=self.gen,
                           segments=names)
             if not self._replay_warned:
                 self._replay_warned = True
@@ -456,7 +455,7 @@ class Checkpointless:
             self._persist_committed()
             self.durable.close()
         protocol.mark_trained(self.store, self.rank, self.step)
-        self.log.emit("worker_done", step=self.step, gen=self.gen)
+        self.log.emit(Event.WORKER_DONE, step=self.step, gen=self.gen)
         # The watchdog keeps beating until the process exits: the script may still have
         # work to do after training (saving, evaluation), and a silent rank looks hung.
         self.replicator.close()
@@ -484,6 +483,7 @@ class Checkpointless:
         self.replicator.should_abort = lambda: self.watchdog.failure_pending
         self._declare_data_parallel()
         self.gen = self.watchdog.generation = gen
+        self._aborted_mark = CollectiveAborted.raised  # this generation's start
 
     def _make_replicator(self, gen: int, old: Replicator | None) -> Replicator:
         """This generation's replicator; snapshots and replicas carry over from ``old``."""
@@ -493,7 +493,7 @@ class Checkpointless:
             node=self.env.node, local_world_size=self.env.local_world_size,
             config=rs.replication, memory=rs.memory, prefix=protocol.gen_prefix(gen),
             committed_key=protocol.COMMITTED_KEY,
-            engine=old.engine if old else None, replicas=old.replicas if old else None,
+            previous=old,
             fault_hook=self.faults.at if self.faults else None,
             durable_staging=bool(self.durable is not None and self.durable.staging),
             durable_zero_copy=bool(self.durable is not None and self.durable.zero_copy),
@@ -508,19 +508,23 @@ class Checkpointless:
             process_groups.keep(self.replicator.abandon(), 5.0)
 
     def _cause_of(self, exc: Exception) -> dict[str, Any]:
-        text = str(exc).lower()
-        local = isinstance(exc, InjectedFault) or (
-            not isinstance(exc, FailureDetected) and "gloo" not in text
-            and "connection" not in text and "checkpointless: collective" not in text
-        )
-        return {"kind": "exception" if local else "peer_failure", "rank": self.rank,
-                "error": f"{type(exc).__name__}: {str(exc)[:300]}", "local": local}
+        """This rank's own exception, or the consequence of a failure elsewhere
+        (:func:`recovery.causes.classify`: by the exception's type, not its text)."""
+        kind = classify(exc, self._failure_declared)
+        return {"kind": kind, "rank": self.rank,
+                "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                "local": kind is FailureCause.EXCEPTION}
+
+    def _failure_declared(self) -> bool:
+        """A failure is declared in the job, or a collective of this generation was
+        aborted (see :class:`recovery.errors.CollectiveAborted`)."""
+        return self.watchdog.failure_pending or CollectiveAborted.raised != self._aborted_mark
 
     def _recover(self, cause: dict[str, Any], newcomer: bool = False) -> int:
         """Leave the failed generation, join the next one, restore; returns the step."""
         t_detect = time.time()
         rec = self.settings.recovery
-        self.log.emit("failure_detected", rank=self.rank, gen=self.gen, step=self.step,
+        self.log.emit(Event.FAILURE_DETECTED, rank=self.rank, gen=self.gen, step=self.step,
                       cause=cause)
         # Declaring and tearing down take milliseconds; if they ever take long, the
         # stacks of every thread go to stderr (the agent's log) to say where it hangs.
@@ -562,13 +566,13 @@ class Checkpointless:
             except MemoryBudgetError as exc:  # the state grew past the budget: no retry helps
                 self._fatal(str(exc))
             except Exception as exc:  # a failure during the recovery itself
-                self.log.emit("recovery_interrupted", gen=gen, error=str(exc)[:300])
+                self.log.emit(Event.RECOVERY_INTERRUPTED, gen=gen, error=str(exc)[:300])
                 protocol.declare_failure(self.store, gen, {
-                    "kind": "failure_during_recovery", "rank": self.rank, "ts": time.time(),
-                    "error": str(exc)[:300]})
+                    "kind": FailureCause.FAILURE_DURING_RECOVERY, "rank": self.rank,
+                    "ts": time.time(), "error": str(exc)[:300]})
                 self._teardown_generation()
         # Steps this survivor snapshotted after the target are replays from now on.
-        self.replicator.engine.replay.rolled_back(plan.target_step)
+        self.replicator.rolled_back(plan.target_step)
         self._replay_warned = False
         self._dp_checked.clear()
         t_reset = time.perf_counter()
@@ -590,19 +594,16 @@ class Checkpointless:
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
                 "local_collectives": elastic_controller.controller().local_collectives,
                 "recovered_at": t_done}
-        self.log.emit("recovery", rank=self.rank, **info)
+        self.log.emit(Event.RECOVERY, rank=self.rank, **info)
         self._resumed_from = info
         self.step = plan.target_step
         return plan.target_step
 
     def _rendezvous(self, gen: int, newcomer: bool) -> dict[int, protocol.JoinRecord]:
-        engine = self.replicator.engine if self.replicator else None
-        replicas = self.replicator.replicas if self.replicator else None
+        local, held = self.replicator.held() if self.replicator else ([], {})
         record = protocol.JoinRecord(
             rank=self.rank, node=self.env.node, pid=os.getpid(), newcomer=newcomer,
-            local_steps=engine.held_steps() if engine else [],
-            replicas={str(src): steps for src, steps in replicas.held_steps().items()}
-            if replicas else {},
+            local_steps=local, replicas={str(src): steps for src, steps in held.items()},
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         return join(self.store, gen, record, self.world_size, timeout,
@@ -620,7 +621,7 @@ class Checkpointless:
     def _leave_fenced(self, reason: str) -> NoReturn:
         """Exit at once with EXIT_FENCED: the job goes on with this rank's replacement, and
         tearing down this process's groups could only wait on peers that left them."""
-        self.log.emit("fenced", rank=self.rank, gen=self.gen, reason=reason)
+        self.log.emit(Event.FENCED, rank=self.rank, gen=self.gen, reason=reason)
         print(f"checkpointless: {reason}", file=sys.stderr, flush=True)
         os._exit(protocol.EXIT_FENCED)
 
@@ -632,7 +633,7 @@ class Checkpointless:
         if not path:
             raise RecoveryImpossible(f"{reason}; persistence.path is not set, so there is no "
                                      "durable checkpoint to fall back to")
-        step = self._restore_from_durable(plan.gen, "durable_fallback", reason)
+        step = self._restore_from_durable(plan.gen, Event.DURABLE_FALLBACK, reason)
         if step is None:
             raise RecoveryImpossible(f"{reason}; and the durable tier at {path!r} holds no "
                                      "complete checkpoint yet")
@@ -666,64 +667,22 @@ class Checkpointless:
         if self.rank == 0:
             skipped = "".join(f"; skipped step {s['step']} ({s['reason']})"
                               for s in choice.skipped)
-            what = "resuming" if event == "durable_resume" else "falling back to durable storage"
+            what = ("resuming" if event == Event.DURABLE_RESUME
+                    else "falling back to durable storage")
             print(f"[checkpointless] {what}: {reason}; every rank restored step {choice.step} "
                   f"from {choice.url}{skipped}", file=sys.stderr, flush=True)
         return choice.step
 
     def _transfer(self, plan: RecoveryPlan) -> int:
-        """Send the replicas this rank provides, receive its own state if it is a
-        newcomer (else restore its own snapshot), and meet the others. The time of each
-        part goes to ``self._transfer_parts`` (the recovery event's ``transfer_parts``)."""
-        rep = self.replicator
-        assert rep is not None
-        chunk = self.settings.replication.chunk_bytes
-        moved = 0
-        parts: dict[str, float] = {}
-        t = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            parts[name] = parts.get(name, 0.0) + now - t
-            t = now
-        for dst, provider in sorted(plan.providers.items()):
-            if provider == self.rank:
-                meta, buf = rep.replica_buffer(dst, plan.target_step)
-                moved += send_state(rep.channel, dst, meta, buf, chunk)
-                lap("send_s")
-        if self.rank in plan.providers:
-            # Received straight into a snapshot slot: from now on this rank holds its
-            # own snapshot of the target step, without capturing its state again.
-            slot: Any = None
-
-            def into_slot(meta: Any) -> torch.Tensor:
-                nonlocal slot
-                slot = rep.engine.incoming_slot(meta.layout)
-                return slot.buffer
-            meta, buf = receive_state(rep.channel, plan.providers[self.rank], chunk,
-                                      into=into_slot)
-            lap("receive_s")
-            rep.engine.adopt(slot, meta)  # checks every segment's checksum
-            moved += buf.numel()
-            lap("verify_s")
-        rep.engine.restore(plan.target_step, verify=self.rank not in plan.providers)
-        lap("restore_s")
-        rep.engine.protect(plan.target_step)
-        rep.replicas.protect(plan.target_step)
-        if rep.config.factor > 1:
-            own = rep.engine.slot_for(plan.target_step)
-            own_meta = own.meta()
-            moved += reseed_replicas(
-                rep.channel, self.rank, rep.holders, rep.sources[self.rank], plan.target_step,
-                (own_meta, own.buffer[: own_meta.layout.nbytes]), rep.replicas, chunk)
-            lap("reseed_s")
-        rep.channel.barrier()
-        lap("barrier_s")
-        self._transfer_parts = {k: round(v, 4) for k, v in parts.items()}
-        return moved
+        """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its
+        parts' times go to ``self._transfer_parts`` (the recovery event's
+        ``transfer_parts``). Returns the bytes moved."""
+        assert self.replicator is not None
+        result = self.replicator.recover(plan.target_step, plan.providers)
+        self._transfer_parts = result.parts
+        return result.moved
 
     def _fatal(self, reason: str) -> None:
         protocol.set_fatal(self.store, reason, rank=self.rank, gen=self.gen)
-        self.log.emit("fatal", reason=reason)
+        self.log.emit(Event.FATAL, reason=reason)
         raise RecoveryImpossible(reason)

@@ -1,6 +1,6 @@
 """Typed configuration sections owned by the replication layer.
 
-The recipe loader in ``launcher.config`` composes these sections into the full
+The recipe loader in ``recovery.recipe`` composes these sections into the full
 ``checkpointless:`` block and validates user input against them. They live here,
 not in the launcher, so that the lowest layer never imports a higher one.
 

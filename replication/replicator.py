@@ -36,11 +36,13 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from replication import tags
 from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.digest_copy import segment_trailer, verify_segments
 from replication.drift import DriftWatch
+from replication.handover import HandoverResult, hand_over
 from replication.layout import SnapshotLayout, flatten
 from replication.memory import (
     MemoryPlan,
@@ -58,9 +60,9 @@ from replication.transport import SideChannel, TransportError
 
 log = logging.getLogger("checkpointless.replication")
 
-MAX_SEGMENTS = 64
+MAX_SEGMENTS = tags.MAX_SEGMENTS
 _ANN_HEADER = 3  # step, metadata bytes, segment count
-_META_TAG = 1 << 30
+_META_TAG = tags.ROUND_META
 
 
 def _run_in_daemon_thread(fn: Callable[..., RoundStats], *args: object) -> Future:
@@ -111,8 +113,7 @@ def _fingerprint(meta: SnapshotMeta, i: int) -> int:
     return h.intdigest() & ((1 << 63) - 1)
 
 
-def _segment_tag(i: int) -> int:
-    return (i + 1) << 20
+_segment_tag = tags.segment
 
 
 class Replicator:
@@ -132,16 +133,16 @@ class Replicator:
         prefix: str = "checkpointless",
         committed_key: str | None = None,
         hostname: str | None = None,
-        engine: SnapshotEngine | None = None,
-        replicas: ReplicaStore | None = None,
+        previous: Replicator | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
         durable_staging: bool = False,
         durable_zero_copy: bool = False,
     ) -> None:
-        """``engine``/``replicas`` carry snapshots over from a previous generation's
-        replicator; ``fault_hook(phase, step)`` is called at the ``snapshot`` and
-        ``replication`` phases so tests can inject failures there. ``durable_staging``:
-        a durable writer keeps a staging copy of one snapshot, counted in the budget.
+        """``previous``: the previous generation's replicator, whose snapshots and
+        replicas this one carries over (its side channel is not reused);
+        ``fault_hook(phase, step)`` is called at the ``snapshot`` and ``replication``
+        phases so tests can inject failures there. ``durable_staging``: a durable writer
+        keeps a staging copy of one snapshot, counted in the budget.
         ``durable_zero_copy``: a durable writer persists straight from the snapshot
         slots, so a new engine allocates three of them in shared memory (one may be held
         by the writer while the other two alternate), and no staging copy is counted."""
@@ -152,6 +153,8 @@ class Replicator:
         self.memory = memory or MemoryConfig()
         self.state = state
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        engine = previous.engine if previous is not None else None
+        replicas = previous.replicas if previous is not None else None
         pin = torch.cuda.is_available()  # host buffers, pinned for side-stream copies
         # Measured once, before our buffers exist, so re-checks do not count them twice.
         # Buffers carried over from a previous generation already reduced free RAM.
@@ -409,6 +412,49 @@ class Replicator:
                 )
         rslot.meta, rslot.shared, rslot.step = meta, frozenset(shared), meta.step
         return received
+
+    # -- recovery --------------------------------------------------------------------
+    def held(self) -> tuple[list[int], dict[int, list[int]]]:
+        """The steps this rank holds: its own snapshots, and replicas per source rank
+        (what its join record tells the recovery plan)."""
+        return self.engine.held_steps(), self.replicas.held_steps()
+
+    def recover(self, target_step: int, providers: dict[int, int]) -> HandoverResult:
+        """Take part in a recovery's handover to ``target_step`` (see
+        :mod:`replication.handover`): serve the replicas this rank provides, receive its
+        own state if it is a newcomer, restore, reseed, meet the others."""
+        return hand_over(
+            channel=self.channel, engine=self.engine, replicas=self.replicas,
+            serve=self.replica_buffer, rank=self.rank, target_step=target_step,
+            providers=providers, holders=self.holders, sources=self.sources[self.rank],
+            factor=self.config.factor, chunk_bytes=self.config.chunk_bytes)
+
+    def rolled_back(self, target_step: int) -> None:
+        """The state went back to ``target_step`` (from memory or a durable checkpoint):
+        steps this rank snapshotted after it are replays from now on
+        (:mod:`.replay_check`)."""
+        self.engine.replay.rolled_back(target_step)
+
+    def take_replay_differences(self) -> list[tuple[int, list[str]]]:
+        """Replayed steps whose snapshot differed from the first run's, since last asked."""
+        return self.engine.replay.take_differences()
+
+    @property
+    def fence_wait_s(self) -> float:
+        """Seconds optimizer steps have waited for an overlapped copy, in all."""
+        return self.engine.fence_wait_s
+
+    def own_snapshot(self, step: int) -> SnapshotSlot:
+        """This rank's snapshot slot of ``step`` (the durable writer persists from it)."""
+        return self.engine.slot_for(step)
+
+    def hold_slot(self, slot: SnapshotSlot, wait: Callable[[], None]) -> None:
+        """Keep ``slot`` out of captures until ``unhold_slot``; a capture that needs it
+        calls ``wait`` first (a durable save still reading it)."""
+        self.engine.hold(slot, wait)
+
+    def unhold_slot(self, slot: SnapshotSlot, wait: Callable[[], None]) -> None:
+        self.engine.unhold(slot, wait)
 
     # -- reading replicas ------------------------------------------------------------
     def replica_buffer(self, src: int, step: int) -> tuple[SnapshotMeta, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from launcher.cli import main
-from launcher.config import CheckpointlessConfig
+from recovery.recipe import CheckpointlessConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

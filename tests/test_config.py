@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.config import (
+from recovery.recipe import (
     CONFIG_JSON_ENV,
     RESERVED_ENV,
     CheckpointlessConfig,
@@ -24,7 +24,7 @@ from launcher.config import (
     config_to_yaml,
     load_config,
 )
-from launcher.config.fields import fields_by_env
+from recovery.recipe.fields import fields_by_env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "examples" / "recipes"

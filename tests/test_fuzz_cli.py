@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launcher.cli import main
-from launcher.config import all_fields
+from recovery.recipe import all_fields
 
 FUZZ = settings(max_examples=100, deadline=5000, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -46,8 +46,8 @@ def test_unregistered_without_the_bootstrap(tmp_path):
 def test_instance_and_recipe_options(tmp_path):
     from lightning.pytorch import Trainer
 
-    from launcher.config import ConfigError
     from recovery.integrations.lightning import CheckpointlessCheckpointIO, CheckpointlessStrategy
+    from recovery.recipe import ConfigError
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("checkpointless:\n  replication:\n    every_n_steps: 3\n")

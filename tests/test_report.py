@@ -205,8 +205,8 @@ def test_help_stays_light():
 
 
 def test_recorded_config_leaves_storage_secrets_out():
-    from launcher.config import load_config
     from launcher.report.record import REDACTED, recorded_config
+    from recovery.recipe import load_config
 
     cfg = load_config(None, ["persistence.path=s3://b/run",
                              'persistence.storage_options={"key": "AKIA1", "secret": "s3cr3t"}'])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from launcher.config import (
+from recovery.recipe import (
     all_fields,
     config_to_json,
     config_to_yaml,

@@ -14,10 +14,10 @@ import os
 import sys
 from typing import NoReturn
 
-from launcher.config import CheckpointlessConfig, load_config, read_recipe
-from launcher.config.fields import fields_by_path
-from launcher.config.schema import BLOCK_KEY
 from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace, prepare
+from recovery.recipe import CheckpointlessConfig, load_config, read_recipe
+from recovery.recipe.fields import fields_by_path
+from recovery.recipe.schema import BLOCK_KEY
 
 PROG = "checkpointless"
 EXIT_USAGE = 2

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from recovery.events import Event
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -89,14 +91,14 @@ def load_events(path: str) -> EventsFile:
 
 #: Fields the report relies on, per event, with their JSON types (others are optional).
 REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "step": {"step": int},
-    "failure_declared": {"gen": int, "cause": dict},
-    "recovery": {"gen": int, "rank": int, "target_step": int, "timings": dict},
-    "resumed": {"gen": int},
-    "durable_fallback": {"gen": int},
-    "worker_exit": {"rank": int},
-    "replacement_assigned": {"rank": int},
-    "agent_start": {"node": int},
+    Event.STEP: {"step": int},
+    Event.FAILURE_DECLARED: {"gen": int, "cause": dict},
+    Event.RECOVERY: {"gen": int, "rank": int, "target_step": int, "timings": dict},
+    Event.RESUMED: {"gen": int},
+    Event.DURABLE_FALLBACK: {"gen": int},
+    Event.WORKER_EXIT: {"rank": int},
+    Event.REPLACEMENT_ASSIGNED: {"rank": int},
+    Event.AGENT_START: {"node": int},
 }
 
 

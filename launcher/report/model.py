@@ -25,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from recovery.causes import describe
+from recovery.events import Event
+
 #: Recovery phases in the order they happen (keys of the ``recovery`` event's timings),
 #: then the first step after it (from the ``resumed`` event).
 PHASES = ("detect_s", "abort_s", "rendezvous_s", "transfer_s", "first_step_s")
@@ -100,44 +103,17 @@ class Run:
         return max(0.0, self.t_end - self.t0)
 
 
-def describe(cause: dict[str, Any]) -> str:
-    """A failure cause in words (the same wording as the agent's log lines)."""
-    kind = cause.get("kind")
-    rank, node = cause.get("rank"), cause.get("node")
-    where = f"rank {rank}" + (f" on node {node}" if node is not None else "")
-    if kind == "node_lost":
-        return f"node {node} lost (ranks {cause.get('ranks')})"
-    if kind == "worker_hung":
-        return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
-    if kind == "worker_exit":
-        if cause.get("signal"):
-            return f"{where} was killed by {cause['signal']}"
-        return f"{where} exited with code {cause.get('exitcode')}"
-    if kind == "exception":
-        return f"{where} raised {_short(cause.get('error'))}"
-    if kind == "failure_during_recovery":
-        return f"failure during recovery, seen by {where}: {_short(cause.get('error'))}"
-    if kind == "peer_failure":
-        return f"{where} saw a peer fail: {_short(cause.get('error'))}"
-    return f"{kind or 'unknown failure'} ({where})"
-
-
-def _short(text: Any, limit: int = 120) -> str:
-    s = " ".join(str(text or "").split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
-
-
 def build_run(events: list[dict[str, Any]]) -> Run:
     """The report's model of a run; ``events`` must be sorted by ``ts``."""
     by: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         by.setdefault(e["event"], []).append(e)
     t0, t_end = float(events[0]["ts"]), float(events[-1]["ts"])
-    steps = [(float(e["ts"]), int(e["step"]), e.get("stall_s")) for e in by.get("step", [])
+    steps = [(float(e["ts"]), int(e["step"]), e.get("stall_s")) for e in by.get(Event.STEP, [])
              if isinstance(e.get("step"), int)]
-    replications = [(float(e["ts"]), e["replicated"]) for e in by.get("step", [])
+    replications = [(float(e["ts"]), e["replicated"]) for e in by.get(Event.STEP, [])
                      if isinstance(e.get("replicated"), dict)]
-    starts = by.get("agent_start", [])
+    starts = by.get(Event.AGENT_START, [])
     config = next((e["config"] for e in starts if isinstance(e.get("config"), dict)), {})
     failures = _failures(by, steps)
     return Run(
@@ -150,7 +126,7 @@ def build_run(events: list[dict[str, Any]]) -> Run:
 
 
 def _world_size(by: dict[str, list[dict[str, Any]]]) -> int:
-    sizes = [int(e["world_size"]) for e in by.get("agent_start", [])
+    sizes = [int(e["world_size"]) for e in by.get(Event.AGENT_START, [])
              if isinstance(e.get("world_size"), int)]
     if sizes:
         return max(sizes)
@@ -161,24 +137,24 @@ def _world_size(by: dict[str, list[dict[str, Any]]]) -> int:
 
 
 def _agents(by: dict[str, list[dict[str, Any]]]) -> list[int]:
-    return sorted({int(e["node"]) for e in by.get("agent_start", [])
+    return sorted({int(e["node"]) for e in by.get(Event.AGENT_START, [])
                    if isinstance(e.get("node"), int)})
 
 
 def _final_step(by: dict[str, list[dict[str, Any]]],
                 steps: list[tuple[float, int, float | None]]) -> int | None:
-    done = [int(e["step"]) for e in by.get("worker_done", []) if isinstance(e.get("step"), int)]
+    done = [int(e["step"]) for e in by.get(Event.WORKER_DONE, []) if isinstance(e.get("step"), int)]
     if done:
         return max(done)
     return steps[-1][1] if steps else None
 
 
 def _outcome(by: dict[str, list[dict[str, Any]]]) -> str:
-    if by.get("job_failed"):
+    if by.get(Event.JOB_FAILED):
         return f"failed: {by['job_failed'][0].get('reason', '?')}"
-    if by.get("job_done"):
+    if by.get(Event.JOB_DONE):
         return "completed"
-    if by.get("agent_exit"):
+    if by.get(Event.AGENT_EXIT):
         return f"stopped by {by['agent_exit'][0].get('signal', 'a signal')}"
     return "unfinished (no job_done or job_failed event: still running, or the agents died)"
 
@@ -193,11 +169,11 @@ def _failures(by: dict[str, list[dict[str, Any]]],
             f = gens[gen] = Failure(gen=gen, detected_at=ts, failed_at=ts)
         return f
 
-    for e in by.get("failure_declared", []):
+    for e in by.get(Event.FAILURE_DECLARED, []):
         cause = e.get("cause") or {}
         f = failure(int(e["gen"]), float(cause.get("ts", e["ts"])))
         _add(f.what, describe(cause))
-    recs = [e for e in by.get("recovery", []) if isinstance(e.get("gen"), int)]
+    recs = [e for e in by.get(Event.RECOVERY, []) if isinstance(e.get("gen"), int)]
     declared = set(gens)  # generations an agent described (exit, hang, node loss)
     for e in recs:
         cause = e.get("cause") or {}
@@ -207,13 +183,13 @@ def _failures(by: dict[str, list[dict[str, Any]]],
             _add(f.what, describe(cause))  # a worker's own cause: an exception, say
     for f in gens.values():
         _fill_recovery(f, [e for e in recs if e["gen"] == f.gen], by)
-    for e in by.get("durable_fallback", []):
+    for e in by.get(Event.DURABLE_FALLBACK, []):
         if int(e.get("gen", -1)) in gens:
             f = gens[int(e["gen"])]
             f.via = "durable"
             f.steps_lost = max(f.steps_lost, int(e.get("steps_lost") or 0))
     ordered = sorted(gens.values(), key=lambda f: f.gen)
-    _assign_faults(ordered, by.get("fault_injected", []))
+    _assign_faults(ordered, by.get(Event.FAULT_INJECTED, []))
     ordered = _fold_superseded(ordered)
     for f in ordered:
         f.failed_at = min([f.detected_at, *f.fault_times])
@@ -229,7 +205,7 @@ def _failures(by: dict[str, list[dict[str, Any]]],
 
 def _fill_recovery(f: Failure, recs: list[dict[str, Any]],
                    by: dict[str, list[dict[str, Any]]]) -> None:
-    for e in by.get("replacement_assigned", []):
+    for e in by.get(Event.REPLACEMENT_ASSIGNED, []):
         if e.get("gen") == f.gen:
             how = "a warm spare" if e.get("spare") else "a new process"
             _add(f.replacements, f"rank {e.get('rank')} -> {how} (pid {e.get('pid')})")
@@ -246,10 +222,10 @@ def _fill_recovery(f: Failure, recs: list[dict[str, Any]],
     f.newcomers = sorted({int(r) for e in recs for r in e.get("newcomers") or []})
     f.bytes_transferred = sum(int(e.get("bytes_transferred") or 0) for e in recs
                               if e.get("newcomer"))
-    resumed = [e for e in by.get("resumed", []) if e.get("gen") == f.gen]
+    resumed = [e for e in by.get(Event.RESUMED, []) if e.get("gen") == f.gen]
     if resumed:
         f.resumed_at = max(float(e["ts"]) for e in resumed)
-    for e in by.get("node_takeover", []):
+    for e in by.get(Event.NODE_TAKEOVER, []):
         if f.detected_at - 1 <= float(e["ts"]) <= f.recovered_at:
             _add(f.replacements, f"ranks {e.get('ranks')} -> node {e.get('node')}")
 
@@ -302,7 +278,7 @@ def _assign_faults(ordered: list[Failure], faults: list[dict[str, Any]]) -> None
 
 
 def _mark_unrecovered(ordered: list[Failure], by: dict[str, list[dict[str, Any]]]) -> None:
-    fatal = by.get("job_failed") or by.get("fatal") or []
+    fatal = by.get(Event.JOB_FAILED) or by.get(Event.FATAL) or []
     for i, f in enumerate(ordered):
         if f.recovered:
             continue
@@ -317,7 +293,7 @@ def _mark_unrecovered(ordered: list[Failure], by: dict[str, list[dict[str, Any]]
 
 def _marks(by: dict[str, list[dict[str, Any]]]) -> list[tuple[float, str, str]]:
     out: list[tuple[float, str, str]] = []
-    done = {e.get("source"): float(e["ts"]) for e in by.get("worker_done", [])}
+    done = {e.get("source"): float(e["ts"]) for e in by.get(Event.WORKER_DONE, [])}
 
     def lane(e: dict[str, Any]) -> str:
         """A rank that had finished training and then stalled or crashed on its way out
@@ -325,22 +301,22 @@ def _marks(by: dict[str, list[dict[str, Any]]]) -> list[tuple[float, str, str]]:
         finished = done.get(f"rank{e.get('rank')}")
         return "workers" if finished is not None and finished < float(e["ts"]) else "failures"
 
-    for e in by.get("fault_injected", []):
+    for e in by.get(Event.FAULT_INJECTED, []):
         out.append((float(e["ts"]), "failures", f"fault {e.get('fault')}"))
-    for e in by.get("worker_exit", []):
+    for e in by.get(Event.WORKER_EXIT, []):
         if e.get("exitcode") not in (0, None):
             what = e.get("signal") or f"exit {e.get('exitcode')}"
             out.append((float(e["ts"]), lane(e), f"rank {e.get('rank')} {what}"))
-    for e in by.get("worker_hung", []):
+    for e in by.get(Event.WORKER_HUNG, []):
         out.append((float(e["ts"]), lane(e), f"rank {e.get('rank')} hung"))
-    for e in by.get("node_lost", []):
+    for e in by.get(Event.NODE_LOST, []):
         out.append((float(e["ts"]), "failures", f"node {e.get('lost_node')} lost"))
-    for e in by.get("failure_declared", []):
+    for e in by.get(Event.FAILURE_DECLARED, []):
         out.append((float(e["ts"]), "declared", f"gen {e.get('gen')}"))
-    for e in by.get("worker_start", []):
+    for e in by.get(Event.WORKER_START, []):
         label = f"rank {e.get('rank')}" + (" (spare)" if e.get("spare") else "")
         out.append((float(e["ts"]), "workers", label))
-    for e in by.get("job_failed", []) + by.get("fatal", []):
+    for e in by.get(Event.JOB_FAILED, []) + by.get(Event.FATAL, []):
         out.append((float(e["ts"]), "failures", "fatal"))
     return sorted(out)
 

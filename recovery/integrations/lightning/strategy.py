@@ -51,23 +51,11 @@ from recovery.integrations.lightning.data import ResumableLoader
 from recovery.integrations.lightning.launcher import CheckpointlessLauncher
 from recovery.integrations.lightning.logger_gate import LoggerGate
 from recovery.integrations.lightning.state import MODES_KEY, LightningState
-from recovery.settings import RuntimeSettings
+from recovery.recipe import CheckpointlessConfig, load_config, worker_config
 
 log = logging.getLogger("checkpointless.lightning")
 
 _DEFERRED_RNG = ("fetch", "train_start", "end")
-
-
-def settings_from(recipe: str | os.PathLike | None, overrides: Sequence[str]) -> RuntimeSettings:
-    """The runtime settings of a recipe file plus ``key=value`` overrides, validated.
-
-    The recipe schema and its validation live with the launcher (``launcher.config``);
-    this is the one place the integration reads them, for scripts run without
-    ``checkpointless run``.
-    """
-    from launcher.config import config_to_json, load_config
-
-    return RuntimeSettings.from_json(config_to_json(load_config(recipe, list(overrides))))
 
 
 class CheckpointlessStrategy(DDPStrategy):
@@ -95,7 +83,7 @@ class CheckpointlessStrategy(DDPStrategy):
         self,
         recipe: str | os.PathLike | None = None,
         overrides: Sequence[str] = (),
-        settings: RuntimeSettings | None = None,
+        settings: CheckpointlessConfig | None = None,
         checkpoint_io: Any = None,
         deterministic: bool = True,
         **kwargs: Any,
@@ -105,10 +93,10 @@ class CheckpointlessStrategy(DDPStrategy):
             overrides = [overrides]
         self._recipe, self._overrides = recipe, tuple(overrides)
         self._given_settings = settings
-        self._settings: RuntimeSettings | None = None
+        self._settings: CheckpointlessConfig | None = None
         self.deterministic = deterministic
         if protocol.ENV_CONFIG not in os.environ and settings is None and (recipe or overrides):
-            self._given_settings = settings_from(recipe, self._overrides)  # fail early
+            self._given_settings = load_config(recipe, self._overrides)  # fail early
         self.lstate = LightningState()
         self.session: Any = None  # recovery.runtime.Checkpointless, once the job is joined
         self.finished = False
@@ -128,7 +116,7 @@ class CheckpointlessStrategy(DDPStrategy):
 
     # -- configuration -----------------------------------------------------------------
     @property
-    def settings(self) -> RuntimeSettings:
+    def settings(self) -> CheckpointlessConfig:
         """The launcher's configuration under ``checkpointless run``, else the strategy's."""
         if self._settings is None:
             env_json = os.environ.get(protocol.ENV_CONFIG)
@@ -136,9 +124,9 @@ class CheckpointlessStrategy(DDPStrategy):
                 if self._recipe or self._overrides or self._given_settings is not None:
                     log.warning("running under checkpointless run: the job's configuration "
                                 "applies, not the strategy's recipe/overrides/settings")
-                self._settings = RuntimeSettings.from_json(env_json)
+                self._settings = worker_config(env_json)
             else:
-                self._settings = self._given_settings or RuntimeSettings()
+                self._settings = self._given_settings or CheckpointlessConfig()
             if not self.deterministic:
                 self._settings.recovery.ordered_allreduce = False
         return self._settings

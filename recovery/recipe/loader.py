@@ -6,17 +6,17 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from launcher.config.build import resolve
-from launcher.config.errors import ConfigError, Problem
-from launcher.config.recipe import read_recipe
-from launcher.config.schema import CheckpointlessConfig
-from launcher.config.sources import (
+from recovery.recipe.build import resolve
+from recovery.recipe.errors import ConfigError, Problem
+from recovery.recipe.recipe import read_recipe
+from recovery.recipe.schema import CheckpointlessConfig
+from recovery.recipe.sources import (
     Assignment,
     env_assignments,
     override_assignments,
     recipe_assignments,
 )
-from launcher.config.validate import cross_check
+from recovery.recipe.validate import cross_check
 
 
 def load_config(

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from launcher.config.errors import ConfigError, Problem
-from launcher.config.schema import BLOCK_KEY
+from recovery.recipe.errors import ConfigError, Problem
+from recovery.recipe.schema import BLOCK_KEY
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.config.errors import Problem, short_repr, suggest
-from launcher.config.fields import fields_by_env
-from launcher.config.recipe import RecipeBlock
-from launcher.config.schema import BLOCK_KEY
+from recovery.recipe.errors import Problem, short_repr, suggest
+from recovery.recipe.fields import fields_by_env
+from recovery.recipe.recipe import RecipeBlock
+from recovery.recipe.schema import BLOCK_KEY
 
 ENV_PREFIX = "CHECKPOINTLESS_"
 

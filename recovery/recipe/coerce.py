@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from launcher.config.errors import short_repr
-from launcher.config.fields import FieldSpec
+from recovery.recipe.errors import short_repr
+from recovery.recipe.fields import FieldSpec
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}

@@ -1,6 +1,22 @@
-"""Handing a lost rank's state to its replacement, from a surviving replica holder.
+"""The handover of a recovery: a lost rank's state to its replacement, replicas reseeded.
 
-The provider sends a fixed-size header (metadata length, buffer length), the snapshot
+This is the second half of the replica protocol (the first is the per-step round in
+:mod:`replication.replicator`); :meth:`replication.replicator.Replicator.recover` is
+its entry point, so the worker runtime only says *which* step and *who provides*, and
+never touches the side channel, the snapshot engine or the replica store itself.
+
+Call sequence of one recovery, on every rank of the new generation (all of them, in
+this order, with nothing else in flight on the side channel):
+
+1. providers post the replica they hold of each newcomer (:func:`post_state`);
+2. each newcomer receives its state straight into a snapshot slot and verifies it;
+3. every rank restores its own snapshot of the target step (a survivor's stays in its
+   slots; a newcomer's was just adopted) and protects it and its replicas;
+4. with ``replication.factor > 1``, replicas a holder lacks are reseeded
+   (:func:`reseed_replicas`);
+5. a barrier on the side channel: the generation starts together.
+
+A provider sends a fixed-size header (metadata length, buffer length), the snapshot
 metadata, then the buffer in chunks that are all posted at once, so the transfer
 streams instead of blocking per tensor. The receiver checks every segment's checksum
 before a byte of it reaches the model.
@@ -8,18 +24,95 @@ before a byte of it reaches the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from replication import tags
 from replication.digest_copy import verify_segments
 from replication.replicas import ReplicaStore
+from replication.snapshot import SnapshotEngine
 from replication.snapshot_meta import SnapshotMeta
 from replication.transport import SideChannel
 
-_HEADER_TAG = 1 << 29
-_META_TAG = _HEADER_TAG + 1
-_DATA_TAG = 1 << 24
+_HEADER_TAG = tags.HANDOVER_HEADER
+_META_TAG = tags.HANDOVER_META
+_DATA_TAG = tags.HANDOVER_DATA
+
+
+@dataclass
+class HandoverResult:
+    """What one recovery's handover moved and where its time went (the recovery
+    event's ``bytes_transferred`` and ``transfer_parts``)."""
+
+    moved: int = 0
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+class _Laps:
+    """Seconds per named part, measured back to back."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self._t
+        self._t = now
+
+
+def hand_over(
+    *, channel: SideChannel, engine: SnapshotEngine, replicas: ReplicaStore,
+    serve: Callable[[int, int], tuple[SnapshotMeta, torch.Tensor]],
+    rank: int, target_step: int, providers: Mapping[int, int],
+    holders: Sequence[Sequence[int]], sources: Sequence[int], factor: int, chunk_bytes: int,
+) -> HandoverResult:
+    """Run steps 1-5 of the module docstring on this rank; returns what moved.
+
+    ``providers`` maps each newcomer rank to the rank that sends it its state;
+    ``serve(src, step)`` returns the verified replica of ``src`` held here.
+    """
+    out = HandoverResult()
+    laps = _Laps()
+    for dst, provider in sorted(providers.items()):
+        if provider == rank:
+            meta, buf = serve(dst, target_step)
+            out.moved += send_state(channel, dst, meta, buf, chunk_bytes)
+            laps.lap("send_s")
+    if rank in providers:
+        # Received straight into a snapshot slot: from now on this rank holds its own
+        # snapshot of the target step, without capturing its state again.
+        slot: Any = None
+
+        def into_slot(meta: SnapshotMeta) -> torch.Tensor:
+            nonlocal slot
+            slot = engine.incoming_slot(meta.layout)
+            return slot.buffer
+
+        meta, buf = receive_state(channel, providers[rank], chunk_bytes, into=into_slot)
+        laps.lap("receive_s")
+        engine.adopt(slot, meta)  # checks every segment's checksum
+        out.moved += buf.numel()
+        laps.lap("verify_s")
+    engine.restore(target_step, verify=rank not in providers)
+    laps.lap("restore_s")
+    engine.protect(target_step)
+    replicas.protect(target_step)
+    if factor > 1:
+        own = engine.slot_for(target_step)
+        own_meta = own.meta()
+        out.moved += reseed_replicas(
+            channel, rank, holders, sources, target_step,
+            (own_meta, own.buffer[: own_meta.layout.nbytes]), replicas, chunk_bytes)
+        laps.lap("reseed_s")
+    channel.barrier()
+    laps.lap("barrier_s")
+    out.parts = {k: round(v, 4) for k, v in laps.parts.items()}
+    return out
 
 
 def send_state(

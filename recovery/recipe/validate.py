@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from launcher.config.build import Resolution
-from launcher.config.errors import Problem, short_repr
-from launcher.config.fields import FieldSpec, fields_by_path
-from launcher.config.schema import CheckpointlessConfig
+from recovery.recipe.build import Resolution
+from recovery.recipe.errors import Problem, short_repr
+from recovery.recipe.fields import FieldSpec, fields_by_path
+from recovery.recipe.schema import CheckpointlessConfig
 
 Check = Callable[[CheckpointlessConfig, Resolution], list[Problem]]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from launcher.config.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
+from recovery.recipe.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
 
 _KINDS = {int: "int", float: "float", bool: "bool", str: "str", dict: "dict"}
 

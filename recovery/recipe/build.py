@@ -11,11 +11,11 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from launcher.config.coerce import InvalidValue, coerce, is_plain, parse_text, to_plain
-from launcher.config.errors import Problem, short_repr, suggest
-from launcher.config.fields import FieldSpec, all_fields, fields_by_path
-from launcher.config.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
-from launcher.config.sources import Assignment
+from recovery.recipe.coerce import InvalidValue, coerce, is_plain, parse_text, to_plain
+from recovery.recipe.errors import Problem, short_repr, suggest
+from recovery.recipe.fields import FieldSpec, all_fields, fields_by_path
+from recovery.recipe.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
+from recovery.recipe.sources import Assignment
 
 
 class Resolution:

@@ -12,12 +12,12 @@ from typing import Any
 
 import yaml
 
-from launcher.config.build import resolve
-from launcher.config.errors import ConfigError, Problem
-from launcher.config.fields import all_fields
-from launcher.config.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
-from launcher.config.sources import Assignment
-from launcher.config.validate import cross_check
+from recovery.recipe.build import resolve
+from recovery.recipe.errors import ConfigError, Problem
+from recovery.recipe.fields import all_fields
+from recovery.recipe.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
+from recovery.recipe.sources import Assignment
+from recovery.recipe.validate import cross_check
 
 #: The env var through which the launcher hands the resolved config to its workers.
 CONFIG_JSON_ENV = "CHECKPOINTLESS_CONFIG_JSON"
@@ -63,6 +63,13 @@ def config_from_json(text: str, *, source: str = CONFIG_JSON_ENV) -> Checkpointl
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def worker_config(text: str | None) -> CheckpointlessConfig:
+    """The job's configuration as the launcher handed it to this worker, validated by
+    :func:`config_from_json`; the defaults when there is none (a script run without
+    ``checkpointless run``)."""
+    return config_from_json(text) if text else CheckpointlessConfig()
 
 
 def _entry(indent: int, name: str, value: Any, help_text: str) -> str:

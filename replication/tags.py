@@ -1,0 +1,43 @@
+"""Every message tag used on a replication side channel, allocated in one place.
+
+A side channel carries two protocols: the per-step replication round
+(:mod:`replication.replicator`) and the state handover of a recovery
+(:mod:`replication.handover`). A chunked send of one message uses ``tag + i`` for its
+``i``-th chunk (:meth:`replication.transport.SideChannel.post_send`), so each message
+owns a region of :data:`REGION` consecutive tags. Regions are numbered here, once, so
+no two messages can share a tag (the first version allocated them in two files, and
+segment 15's region began exactly at the handover's data tag).
+"""
+
+from __future__ import annotations
+
+#: Tags per message: room for this many chunks (at 1 MiB chunks, 1 TiB per message).
+REGION = 1 << 20
+#: The most state entries (segments) one snapshot may have.
+MAX_SEGMENTS = 64
+
+_FIRST_SEGMENT = 1  # region 0 is never used: a zero tag is easy to send by accident
+_ROUND_META = _FIRST_SEGMENT + MAX_SEGMENTS
+_HANDOVER_HEADER = _ROUND_META + 1
+_HANDOVER_META = _HANDOVER_HEADER + 1
+_HANDOVER_DATA = _HANDOVER_META + 1
+_END = _HANDOVER_DATA + 1
+
+#: A replication round: the snapshot metadata a rank sends each holder.
+ROUND_META = _ROUND_META * REGION
+#: A handover: the fixed-size header (metadata length, buffer length).
+HANDOVER_HEADER = _HANDOVER_HEADER * REGION
+#: A handover: the snapshot metadata.
+HANDOVER_META = _HANDOVER_META * REGION
+#: A handover: the whole snapshot buffer.
+HANDOVER_DATA = _HANDOVER_DATA * REGION
+
+# gloo tags are C ints.
+assert _END * REGION < 1 << 31
+
+
+def segment(i: int) -> int:
+    """The tag of segment ``i`` of a replication round."""
+    if not 0 <= i < MAX_SEGMENTS:
+        raise ValueError(f"segment index {i} outside 0..{MAX_SEGMENTS - 1}")
+    return (_FIRST_SEGMENT + i) * REGION
