@@ -38,6 +38,7 @@ from benchmarks._harness import (
     step_done_after,
     wait_all,
 )
+from recovery.events import Event
 from recovery.protocol import read_events
 
 SCRIPT = str(REPO / "examples" / "lightning_gpt.py")
@@ -101,17 +102,17 @@ def main() -> None:
         run_torchrun(base, args, kill_step, every)
 
         events = read_events(rec_run / "events.jsonl")
-        fault = next(e for e in events if e["event"] == "fault_injected")
-        recs = [e for e in events if e["event"] == "recovery"]
+        fault = next(e for e in events if e["event"] == Event.FAULT_INJECTED)
+        recs = [e for e in events if e["event"] == Event.RECOVERY]
         recovery_s = step_done_after(rec, fault["ts"], kill_step) - fault["ts"]
         # The survivor noticing: its first failure_detected after the kill. It was
         # blocked in DDP's all-reduce or Lightning's per-batch broadcast.
-        detected = [e["ts"] for e in events if e["event"] == "failure_detected"
+        detected = [e["ts"] for e in events if e["event"] == Event.FAILURE_DETECTED
                     and e.get("rank") != fault["rank"] and e["ts"] >= fault["ts"]]
         if not detected:
             raise SystemExit(f"the survivor never recorded failure_detected ({rec_run})")
         t_kill = next(e["ts"] for e in read_events(base / "progress.jsonl")
-                      if e.get("event") == "kill")
+                      if e.get("event") == Event.KILL)
         restart_s = step_done_after(base, t_kill, kill_step) - t_kill
         newcomer = next((e for e in recs if e.get("newcomer")), recs[0])
         survivor = next((e for e in recs if not e.get("newcomer")), newcomer)
@@ -129,7 +130,7 @@ def main() -> None:
             "breakdown_newcomer": {k: round(v, 4) for k, v in newcomer["timings"].items()},
             "breakdown_survivor": {k: round(v, 4) for k, v in survivor["timings"].items()},
             "spare_used": any(e.get("spare") for e in events
-                              if e["event"] == "replacement_assigned"),
+                              if e["event"] == Event.REPLACEMENT_ASSIGNED),
             "wall_s": round(time.perf_counter() - t0, 1),
         }
     finally:

@@ -35,6 +35,7 @@ from benchmarks._harness import (
     step_done_after,
     wait_all,
 )
+from recovery.events import Event
 from recovery.protocol import read_events
 
 
@@ -77,8 +78,8 @@ def run_torchrun(out: Path, worker_args: list[str], die_at: int) -> None:
 
 def recovery_figures(out: Path, run_dir: Path, kill_step: int) -> dict:
     events = read_events(run_dir / "events.jsonl")
-    fault = next(e for e in events if e["event"] == "fault_injected")
-    recs = [e for e in events if e["event"] == "recovery"]
+    fault = next(e for e in events if e["event"] == Event.FAULT_INJECTED)
+    recs = [e for e in events if e["event"] == Event.RECOVERY]
     done = step_done_after(out, fault["ts"], kill_step)
     newcomer = next((e for e in recs if e.get("newcomer")), recs[0])
     return {
@@ -134,7 +135,7 @@ def measure_wrap(tmp: Path, wrap: str, worker_args: list[str], kill_step: int,
     base = tmp / f"{wrap}_torchrun"
     run_torchrun(base, args, kill_step)
     t_kill = next(e["ts"] for e in read_events(base / "progress.jsonl")
-                  if e.get("event") == "kill")
+                  if e.get("event") == Event.KILL)
     full_restart_s = step_done_after(base, t_kill, kill_step) - t_kill
     ref_d = digests(ref)
     ref_steps = [b - a for a, b in pairwise(step_times(ref, 0))]
@@ -164,7 +165,7 @@ def measure_steady_after_recovery(tmp: Path, worker_args: list[str], kill_step: 
     run_dir = run_checkpointless(out, [*worker_args, "--wrap", "ddp"], spares=1,
                                  fault=f"1:{kill_step}:backward:sigkill")
     t_kill = next(e["ts"] for e in read_events(run_dir / "events.jsonl")
-                  if e["event"] == "fault_injected")
+                  if e["event"] == Event.FAULT_INJECTED)
     before, after = step_intervals(out, 0, t_kill, n)
     return {"step_time_before_s": median(before), "step_time_after_s": median(after),
             "step_time_after_recovery_over_before": median(after) / median(before),

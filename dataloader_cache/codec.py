@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import xxhash
 
+from replication.errors import CheckpointlessError
+
 MAGIC = b"CKLC"
 VERSION = 1
 ALIGN = 64
@@ -73,7 +75,7 @@ SUPPORTED = (
 )
 
 
-class CorruptEntryError(ValueError):
+class CorruptEntryError(CheckpointlessError, ValueError):
     """A frame failed validation (truncated, wrong magic, bad checksum, bad header)."""
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -49,6 +48,8 @@ from torch.utils.data import (
     RandomSampler,
     default_collate,
 )
+
+from replication import contract
 
 from .codec import CorruptEntryError, Frame, decode, encode
 from .config import DataloaderCacheConfig
@@ -67,12 +68,10 @@ _CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(DataloaderCacheConfig)}
 
 
 def default_job_id() -> str:
-    """The job id from the environment (``CHECKPOINTLESS_JOB_ID``, then torchelastic's)."""
-    for var in ("CHECKPOINTLESS_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(var)
-        if value and value != "none":
-            return value
-    return "local"
+    """The job id from the environment (:func:`replication.contract.job_id`: the
+    launcher's, else torchrun's), or ``"local"`` for a script run on its own."""
+    value = contract.job_id()
+    return value if value and value != "none" else "local"
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -176,8 +175,8 @@ class CachedLoader:
         seed: the shuffle order of epoch ``e`` is ``randperm`` seeded with ``seed + e``
             (default 0), exactly ``DistributedSampler``'s order.
         dp_rank, dp_world: data-parallel coordinates (default: torch.distributed, or 0/1).
-        job_id: names the node cache directory (default: ``CHECKPOINTLESS_JOB_ID`` or
-            ``TORCHELASTIC_RUN_ID``); a replacement must use the same one to find it.
+        job_id: names the node cache directory (default: the job's id, see
+            :func:`default_job_id`); a replacement must use the same one to find it.
         config: a :class:`DataloaderCacheConfig`; its fields may also be given as keyword
             arguments (``prefetch=4``), which override it.
         shuffle, drop_last, collate_fn: as for ``DataLoader`` (shuffle defaults to True

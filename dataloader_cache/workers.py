@@ -27,6 +27,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from replication.errors import CheckpointlessError
+
 from .codec import encode
 from .epoch_cache import EpochSampleCache
 from .sampler import DeterministicSampler
@@ -34,7 +36,7 @@ from .sources import MapSource
 from .stats import Counters
 
 
-class WorkerError(RuntimeError):
+class WorkerError(CheckpointlessError, RuntimeError):
     """A preprocessing worker process raised or died."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from launcher.local_cluster import LocalCluster
 from launcher.report.model import PHASE_LABELS, PHASES, build_run
+from recovery.events import Event
 from recovery.protocol import read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,14 +64,14 @@ def finals(run_dir: Path) -> list[dict]:
 
 def print_timeline(run_dir: Path) -> None:
     events = read_events(run_dir / "events.jsonl")
-    t0 = next((e["ts"] for e in events if e["event"] == "fault_injected"), events[0]["ts"])
+    t0 = next((e["ts"] for e in events if e["event"] == Event.FAULT_INJECTED), events[0]["ts"])
     print("\nRecovery timeline (seconds from the first fault):")
     seen_recovery: set[int] = set()
     for e in events:
         fmt = SHOWN.get(e["event"])
         if fmt is None:
             continue
-        if e["event"] == "resumed":  # one line per generation
+        if e["event"] == Event.RESUMED:  # one line per generation
             key = (e["event"], e["gen"])
             if key in seen_recovery:
                 continue

@@ -43,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from launcher import job_outcome, job_store, liveness, membership, reaper, worker_output
-from launcher.node_loss import EXIT_FENCED, LostGroup, NodeLossHandling
+from launcher.node_loss import LostGroup, NodeLossHandling
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
@@ -57,7 +57,11 @@ from launcher.worker_procs import (
 )
 from launcher.zygote import Zygote
 from recovery import auth, protocol
+from recovery.causes import FailureCause, describe
+from recovery.events import Event
 from recovery.recipe import CheckpointlessConfig, config_to_json
+from replication import contract
+from replication.errors import CheckpointlessError
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 #: A pass of the agent's loop longer than this is reported (``agent_stalled``).
@@ -90,7 +94,7 @@ class _PassTimer:
                 "parts_s": {k: round(v, 3) for k, v in self._parts.items()}}
 
 
-class JoinError(RuntimeError):
+class JoinError(CheckpointlessError, RuntimeError):
     """This agent cannot take part in the job (its node rank is already taken)."""
 
 
@@ -190,7 +194,7 @@ class Agent(NodeLossHandling):
         self.heartbeat.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run
-        self._emit("agent_start", pid=os.getpid(), role=role, store=f"{a.host}:{port}",
+        self._emit(Event.AGENT_START, pid=os.getpid(), role=role, store=f"{a.host}:{port}",
                    world_size=a.world_size, cwd=os.getcwd(), config=recorded_config(self.cfg))
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, "
                   f"run dir {self.run_dir})")
@@ -272,14 +276,14 @@ class Agent(NodeLossHandling):
                 if (taker := self._taken_over_by()) is not None:
                     self._fenced(taker)
                     if not self.args.hosts_store:  # the store host stays, idle, to the end
-                        return EXIT_FENCED
+                        return contract.EXIT_FENCED
             self._settle_lost_groups(gen)
             timer.lap("peers")
             if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()
             timer.lap("done")
             if (stall := timer.stalled(STALL_REPORT_S)) is not None:
-                self._emit("agent_stalled", **stall)
+                self._emit(Event.AGENT_STALLED, **stall)
             self._wake.wait(self.args.monitor_interval_s)
 
     def _poll_workers(self, gen: int) -> None:
@@ -292,7 +296,7 @@ class Agent(NodeLossHandling):
             detected = time.monotonic()
             del self.workers[w.rank]
             sig = exit_signal(code)
-            self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
+            self._emit(Event.WORKER_EXIT, rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
             self._publish_process(w.rank, w.pid, "exited", exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)
@@ -301,21 +305,21 @@ class Agent(NodeLossHandling):
                 # nothing and must not start a recovery the finished ranks cannot join.
                 self._log(f"rank {w.rank} exited with {sig or code} after training finished")
                 self._record_done(w.rank)
-            elif code == protocol.EXIT_FENCED:  # its node lost its ranks: see _fenced
+            elif code == contract.EXIT_FENCED:  # its node lost its ranks: see _fenced
                 self._fence_check = True
-            elif code == protocol.EXIT_FATAL:
+            elif code == contract.EXIT_FATAL:
                 if protocol.fatal(self.store) is None:
                     protocol.set_fatal(self.store, f"rank {w.rank} exited with EXIT_FATAL "
                                        f"({code}) without recording a reason")
             else:
-                cause = {"kind": "worker_exit", "rank": w.rank, "node": self.node,
+                cause = {"kind": FailureCause.WORKER_EXIT, "rank": w.rank, "node": self.node,
                          "exitcode": code, "signal": sig}
                 self._on_failure(w, cause, detected)
 
     def _on_hung(self, w: Worker) -> None:
         detected = time.monotonic()
         silent = detected - w.beat_seen_at
-        self._emit("worker_hung", rank=w.rank, pid=w.pid, silent_s=round(silent, 3))
+        self._emit(Event.WORKER_HUNG, rank=w.rank, pid=w.pid, silent_s=round(silent, 3))
         self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for {silent:.1f}s: killing it")
         w.kill()
         del self.workers[w.rank]
@@ -323,11 +327,11 @@ class Agent(NodeLossHandling):
             self._log(f"rank {w.rank} stalled on its way out after training finished")
             self._record_done(w.rank)
             return
-        self._emit("worker_exit", rank=w.rank, pid=w.pid, exitcode=w.proc.returncode,
+        self._emit(Event.WORKER_EXIT, rank=w.rank, pid=w.pid, exitcode=w.proc.returncode,
                    signal=exit_signal(w.proc.returncode))
         self._publish_process(w.rank, w.pid, "exited", exitcode=w.proc.returncode,
                               signal="SIGKILL", hung=True)
-        cause = {"kind": "worker_hung", "rank": w.rank, "node": self.node,
+        cause = {"kind": FailureCause.WORKER_HUNG, "rank": w.rank, "node": self.node,
                  "exitcode": w.proc.returncode, "signal": "SIGKILL", "silent_s": round(silent, 3)}
         self._on_failure(w, cause, detected)
 
@@ -359,7 +363,7 @@ class Agent(NodeLossHandling):
             return False
         cause = {**cause, "ts": cause.get("ts", time.time())}  # workers time detect from it
         gen = protocol.declare_failure(self.store, observed_gen, cause)
-        self._emit("failure_declared", gen=gen, observed_gen=observed_gen, cause=cause,
+        self._emit(Event.FAILURE_DECLARED, gen=gen, observed_gen=observed_gen, cause=cause,
                    recoveries=protocol.recoveries(self.store),
                    failures=protocol.failures(self.store))
         over = protocol.restart_budget_exceeded(self.store, self.rcfg.max_restarts)
@@ -382,12 +386,12 @@ class Agent(NodeLossHandling):
         proc, spare = launch(a.script, a.script_args, a.module, self.base_env, rank_vars, pool)
         gen = protocol.current_generation(self.store)
         self.workers[rank] = Worker(rank, local, group, proc, hb, restart_count, gen, spare)
-        self._emit("worker_start", rank=rank, local_rank=local, group_rank=group, pid=proc.pid,
+        self._emit(Event.WORKER_START, rank=rank, local_rank=local, group_rank=group, pid=proc.pid,
                    replacement=replacement, spare=spare, restart_count=restart_count)
         self._publish_process(rank, proc.pid, "running", replacement=replacement)
         if replacement:
             took = time.monotonic() - detected_at if detected_at is not None else None
-            self._emit("replacement_assigned", rank=rank, pid=proc.pid, spare=spare, gen=gen,
+            self._emit(Event.REPLACEMENT_ASSIGNED, rank=rank, pid=proc.pid, spare=spare, gen=gen,
                        seconds_since_detection=took)
             self._log(f"rank {rank} handed to {'a warm spare' if spare else 'a new process'} "
                       f"(pid {proc.pid})")
@@ -401,7 +405,7 @@ class Agent(NodeLossHandling):
         recoveries = protocol.recoveries(self.store)
         failures = protocol.failures(self.store)
         step = job_outcome.committed_step(self.store)
-        self._emit("job_done", recoveries=recoveries, failures=failures, committed_step=step)
+        self._emit(Event.JOB_DONE, recoveries=recoveries, failures=failures, committed_step=step)
         self._mark_finished()
         step_text = f", committed step {step}" if step is not None else ""
         gens = f" in {recoveries} generations" if recoveries != failures else ""
@@ -421,7 +425,7 @@ class Agent(NodeLossHandling):
     def _failed(self, reason: str) -> int:
         print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)
         self._stop_local()
-        self._emit("job_failed", reason=reason)
+        self._emit(Event.JOB_FAILED, reason=reason)
         self._mark_finished()
         self._linger(LINGER_S)
         return 1
@@ -440,7 +444,7 @@ class Agent(NodeLossHandling):
             with contextlib.suppress(dist.DistError, RuntimeError):
                 protocol.set_fatal(self.store, f"node {self.node} stopped by {name}")
         self._stop_local()
-        self._emit("agent_exit", signal=name)
+        self._emit(Event.AGENT_EXIT, signal=name)
         self._mark_finished()
         self._linger(5.0)
         return 128 + sig
@@ -488,23 +492,10 @@ class Agent(NodeLossHandling):
 
     def _on_auth_rejected(self, **fields: Any) -> None:
         """A store value failed the job-key check (forged, or from another job's secret)."""
-        self._emit("auth_rejected", **fields)
+        self._emit(Event.AUTH_REJECTED, **fields)
         self._log(f"ignored a value of {fields['key']!r} that is not sealed with the job's "
                   f"key ({fields['reason']})")
 
     def _log(self, message: str) -> None:
         print(f"[checkpointless node {self.node}] {message}", file=sys.stderr, flush=True)
-
-
-def describe(cause: dict[str, Any]) -> str:
-    """A failure cause in words, for logs and fatal reasons."""
-    kind = cause.get("kind")
-    if kind == "node_lost":
-        return f"node {cause.get('node')} lost (ranks {cause.get('ranks')})"
-    where = f"rank {cause.get('rank')} on node {cause.get('node')}"
-    if kind == "worker_hung":
-        return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
-    if cause.get("signal"):
-        return f"{where} was killed by {cause['signal']}"
-    return f"{where} exited with code {cause.get('exitcode')}"
 

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 
 import psutil
 
+from replication.errors import CheckpointlessError
+
 #: ``--bind`` values that mean "every interface" (the c10d default).
 ALL_INTERFACES = ("all", "*", "0.0.0.0", "::")
 
 
-class BindError(ValueError):
+class BindError(CheckpointlessError, ValueError):
     """The requested or default bind address cannot be used on this machine."""
 
 

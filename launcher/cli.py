@@ -16,9 +16,9 @@ from typing import NoReturn
 
 from launcher.commands import load_commands
 from recovery.recipe import ConfigError
+from replication.contract import EXIT_INTERRUPTED, EXIT_USAGE
 
 PROG = "checkpointless"
-EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,7 @@ def _main(argv: Sequence[str] | None) -> tuple[int, bool]:
     except ConfigError as exc:
         return error(str(exc)), False
     except KeyboardInterrupt:
-        return 130, False
+        return EXIT_INTERRUPTED, False
 
 
 def entry() -> NoReturn:

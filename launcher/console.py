@@ -13,10 +13,12 @@ import os
 import signal
 import sys
 
+from replication.contract import EXIT_INTERRUPTED
+
 
 def _quiet_exit(_signum: int, _frame: object) -> None:
     sys.stderr.flush()
-    os._exit(130)
+    os._exit(EXIT_INTERRUPTED)
 
 
 def entry() -> None:

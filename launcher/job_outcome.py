@@ -14,7 +14,6 @@ from datetime import datetime
 
 import torch.distributed as dist
 
-from recovery import protocol
 from replication.commit import UntrustedCommit
 from replication.commit import committed_step as _committed_step
 from replication.config import PersistenceConfig
@@ -23,7 +22,7 @@ from replication.config import PersistenceConfig
 def committed_step(store: dist.Store) -> int | str | None:
     """The newest committed step, for the agent's report ("unverified" if forged)."""
     try:
-        step = _committed_step(store, protocol.COMMITTED_KEY)
+        step = _committed_step(store)
     except UntrustedCommit:
         return "unverified"
     return None if step < 0 else step

@@ -27,9 +27,10 @@ import stat
 import time
 from collections.abc import Callable, Mapping
 
+from replication.contract import ENV_JOB_SECRET
+from replication.errors import CheckpointlessError
 from replication.signing import Signer, derive_job_key
 
-ENV_SECRET = "CHECKPOINTLESS_JOB_SECRET"
 #: In the run directory of a job whose agents all run on one machine.
 SHARED_FILE = ".job-secret"
 MIN_LENGTH = 16
@@ -37,7 +38,7 @@ HOW_TO_MAKE_ONE = ("python -c 'import secrets; print(secrets.token_hex(32))' > j
                    "chmod 600 job.secret")
 
 
-class SecretError(ValueError):
+class SecretError(CheckpointlessError, ValueError):
     """The job secret is missing, unreadable or unsafe."""
 
 
@@ -70,14 +71,14 @@ def read_secret_file(path: str) -> bytes:
 
 def from_sources(environ: Mapping[str, str], secret_file: str | None) -> bytes | None:
     """The secret the user gave (environment or file), or None if none."""
-    text = environ.get(ENV_SECRET)
+    text = environ.get(ENV_JOB_SECRET)
     if text is not None and secret_file:
-        raise SecretError(f"both {ENV_SECRET} and --job-secret-file are set; give the job "
+        raise SecretError(f"both {ENV_JOB_SECRET} and --job-secret-file are set; give the job "
                           "secret once")
     if secret_file:
         return read_secret_file(secret_file)
     if text is not None:
-        return _check_text(text, ENV_SECRET)
+        return _check_text(text, ENV_JOB_SECRET)
     return None
 
 
@@ -85,7 +86,7 @@ def missing_secret_message(nnodes: int, node_rank: int, host: str) -> str:
     return (f"a multi-node job needs a job secret shared by every node (--nnodes {nnodes}, "
             f"--node-rank {node_rank}, rendezvous host {host!r} is not a loopback address "
             "such as 127.0.0.1): "
-            f"set {ENV_SECRET} or pass --job-secret-file FILE on every node, e.g. "
+            f"set {ENV_JOB_SECRET} or pass --job-secret-file FILE on every node, e.g. "
             f"{HOW_TO_MAKE_ONE}")
 
 
@@ -115,7 +116,7 @@ def read_shared(run_dir: str, timeout_s: float = 10.0,
     while not os.path.exists(path):
         if should_stop() or time.monotonic() > deadline:
             raise SecretError(
-                f"no job secret: none was given ({ENV_SECRET} or --job-secret-file) and node 0 "
+                f"no job secret: none was given ({ENV_JOB_SECRET} or --job-secret-file) and node 0 "
                 f"left none in {path} (the agents of a job on one machine share a generated "
                 "one through a common --run-dir)")
         time.sleep(0.1)

@@ -33,6 +33,7 @@ from launcher import job_secret
 from launcher.run_args import RunArgs
 from recovery import protocol
 from replication import signing
+from replication.errors import CheckpointlessError
 from replication.signing import Signer
 
 #: Per-operation timeout once connected: long enough for a busy store, short enough
@@ -40,7 +41,7 @@ from replication.signing import Signer
 OP_TIMEOUT_S = 30.0
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(CheckpointlessError, RuntimeError):
     """The job's store cannot be hosted or reached, or went away."""
 
 

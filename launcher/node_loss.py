@@ -36,9 +36,11 @@ from launcher.liveness import PeerWatch
 from launcher.run_args import RunArgs
 from launcher.worker_procs import SparePool, Worker, stop_processes
 from recovery import protocol
+from recovery.causes import FailureCause
 from recovery.config import RecoveryConfig
+from recovery.events import Event
+from replication.contract import EXIT_FENCED
 
-EXIT_FENCED = 4  # this node was declared lost and its ranks taken over: it left the job
 #: How many heartbeat timeouts a lost group waits for a spare node, or for its own node
 #: to come back, before the job stops. A spare node notices the loss on its own clock,
 #: one timeout after it last saw the node alive, and one that just started gives every
@@ -76,7 +78,7 @@ class NodeLossHandling:
             groups = [g for g, owner in owners.items() if owner == lost]
             ranks = [r for g in groups for r in self._ranks(g)]
             silent = self.watch.silent_for(lost)
-            self._emit("node_lost", lost_node=lost, groups=groups, ranks=ranks,
+            self._emit(Event.NODE_LOST, lost_node=lost, groups=groups, ranks=ranks,
                        silent_s=round(silent, 3))
             held = f"ranks {ranks}" if ranks else "its ranks already run on another node"
             self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; {held})")
@@ -92,7 +94,7 @@ class NodeLossHandling:
         """The cause of a node loss; its agent's pid makes every declarer of the same
         loss (its watchers, the spare node taking over) count one failure."""
         info = membership.agent_info(self.store, node) or {}
-        return {"kind": "node_lost", "node": node, "group": group,
+        return {"kind": FailureCause.NODE_LOST, "node": node, "group": group,
                 "ranks": self._ranks(group), "agent_pid": info.get("pid")}
 
     def _settle_lost_groups(self, gen: int) -> None:
@@ -107,7 +109,7 @@ class NodeLossHandling:
                 # started, as survivors. Better than stopping the job for want of a
                 # spare node, and no fencing is needed: the owner record is unchanged.
                 del self.lost_groups[g]
-                self._emit("node_returned", lost_node=lost.lost_node, group=g,
+                self._emit(Event.NODE_RETURNED, lost_node=lost.lost_node, group=g,
                            after_s=round(time.monotonic() - lost.detected_at, 3))
                 self._log(f"node {lost.lost_node} is back (its heartbeat resumed) and "
                           f"nobody took ranks {self._ranks(g)} over: they stay there")
@@ -129,7 +131,7 @@ class NodeLossHandling:
     def _adopt(self, group: int, lost: LostGroup) -> None:
         self.group = group
         ranks = self._ranks(group)
-        self._emit("node_takeover", lost_node=lost.lost_node, group=group, ranks=ranks)
+        self._emit(Event.NODE_TAKEOVER, lost_node=lost.lost_node, group=group, ranks=ranks)
         self._log(f"taking over ranks {ranks} of lost node {lost.lost_node}")
         cause = self._node_lost_cause(lost.lost_node, group)
         # A fresh generation, never a dedupe into the one the loss started: a node that
@@ -163,7 +165,7 @@ class NodeLossHandling:
         over again: it leaves the job, or, hosting the job's store, stays idle to the end.
         """
         ranks = self._ranks(self.group) if self.group is not None else []
-        self._emit("node_fenced", group=self.group, ranks=ranks, taken_over_by=taker)
+        self._emit(Event.NODE_FENCED, group=self.group, ranks=ranks, taken_over_by=taker)
         leaving = "staying idle: it hosts the job's store" if self.args.hosts_store else (
             f"leaving the job (exit {EXIT_FENCED})")
         self._log(f"this node was declared lost and node {taker} took ranks {ranks} over; "

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from launcher import bind as bind_mod
 from launcher import job_secret
+from replication import contract
+from replication.errors import CheckpointlessError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -34,7 +36,7 @@ SUPPORTED_BACKENDS = ("c10d", "static")
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
-class UsageError(ValueError):
+class UsageError(CheckpointlessError, ValueError):
     """A bad flag or value on the ``run`` command line."""
 
 
@@ -128,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
           help="start each warm spare as a new interpreter instead of forking it from a "
           "zygote that imported torch once (Linux; see docs/adr/0011-zygote.md)")
     _flag(parser, "job-secret-file", dest="job_secret_file", default=None, metavar="FILE",
-          help=f"the job secret (not readable by other users); or set {job_secret.ENV_SECRET}. "
+          help=f"the job secret (not readable by other users); or set {contract.ENV_JOB_SECRET}. "
           "Required with several nodes unless all run on this machine")
     _flag(parser, "bind", default=None, metavar="ADDRESS|all",
           help="address the job store and gloo listen on (default: loopback for a loopback "

@@ -41,6 +41,8 @@ import threading
 import warnings
 from typing import NoReturn
 
+from replication import contract
+
 SPARE_NICE = 10  # added to the nice value while warming up and waiting (see WarmUpPriority)
 
 #: Imported before waiting; failures are ignored (a spare that cannot warm a package
@@ -316,7 +318,7 @@ def _interrupted() -> NoReturn:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(130)
+    os._exit(contract.EXIT_INTERRUPTED)
 
 
 def main() -> int:
@@ -343,7 +345,7 @@ def serve() -> int:
                          name="spare-warm").start()
         assignment = incoming.result()
     except KeyboardInterrupt:
-        return 130
+        return contract.EXIT_INTERRUPTED
     finally:
         stop.set()
         priority.restore()

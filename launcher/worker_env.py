@@ -27,9 +27,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from launcher.job_secret import ENV_SECRET
-from recovery import protocol
 from recovery.recipe import RESERVED_ENV_PREFIX
+from replication import contract
+from replication.contract import ENV_JOB_SECRET
 
 ROLE_NAME = "default"
 
@@ -58,7 +58,7 @@ class JobEnv:
         """The agent's environment plus everything that does not depend on the rank."""
         src = os.environ if environ is None else environ
         env = {k: v for k, v in src.items()
-               if not k.startswith(RESERVED_ENV_PREFIX) and k != ENV_SECRET}
+               if not k.startswith(RESERVED_ENV_PREFIX) and k != ENV_JOB_SECRET}
         if self.gloo_ifname:
             env.setdefault("GLOO_SOCKET_IFNAME", self.gloo_ifname)
         if self.nproc > 1 and "OMP_NUM_THREADS" not in env:
@@ -76,15 +76,15 @@ class JobEnv:
                 "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
                 "TORCHELASTIC_RUN_ID": self.run_id,
                 "TORCHELASTIC_USE_AGENT_STORE": str(True),
-                protocol.ENV_STORE: f"{self.store_host}:{self.store_port}",
-                protocol.ENV_NODE: str(self.node),
-                protocol.ENV_RUN_DIR: self.run_dir,
-                protocol.ENV_JOB_ID: self.run_id,
-                protocol.ENV_CONFIG: self.config_json,
+                contract.ENV_STORE: f"{self.store_host}:{self.store_port}",
+                contract.ENV_NODE: str(self.node),
+                contract.ENV_RUN_DIR: self.run_dir,
+                contract.ENV_JOB_ID: self.run_id,
+                contract.ENV_CONFIG: self.config_json,
             }
         )
         if self.job_key:
-            env[protocol.ENV_JOB_KEY] = self.job_key
+            env[contract.ENV_JOB_KEY] = self.job_key
         return env
 
     def rank_vars(
@@ -104,8 +104,8 @@ class JobEnv:
             "GROUP_RANK": str(group_rank),
             "ROLE_RANK": str(rank),
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-            protocol.ENV_HEARTBEAT: heartbeat,
-            protocol.ENV_REPLACEMENT: "1" if replacement else "0",
+            contract.ENV_HEARTBEAT: heartbeat,
+            contract.ENV_REPLACEMENT: "1" if replacement else "0",
         }
 
     def for_rank(self, base: Mapping[str, str], **rank_kwargs) -> dict[str, str]:

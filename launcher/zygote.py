@@ -46,13 +46,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from recovery.events import Event
+from replication.errors import CheckpointlessError
 from replication.forked import ForkedProcess
 
 ZYGOTE_MODULE = "launcher.zygote"
 REPLY_TIMEOUT_S = 10.0
 
 
-class ZygoteError(RuntimeError):
+class ZygoteError(CheckpointlessError, RuntimeError):
     """The zygote could not fork a spare (it died, or stopped answering)."""
 
 

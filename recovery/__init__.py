@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "Checkpointless",
+    "CheckpointlessError",
     "FailureDetected",
     "InjectedFault",
     "RecoveryImpossible",
@@ -25,7 +26,7 @@ def is_replacement() -> bool:
     """
     import os
 
-    from recovery.protocol import ENV_REPLACEMENT
+    from replication.contract import ENV_REPLACEMENT
 
     return os.environ.get(ENV_REPLACEMENT, "0") == "1"
 
@@ -35,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from recovery.runtime import Checkpointless
 
         return Checkpointless
+    if name == "CheckpointlessError":
+        from replication.errors import CheckpointlessError
+
+        return CheckpointlessError
     if name in ("FailureDetected", "InjectedFault", "RecoveryImpossible"):
         from recovery import errors
 

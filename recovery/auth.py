@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from replication.errors import CheckpointlessError
 from replication.signing import Signer, process_signer
 
 #: How many distinct rejected values one process reports before it only counts them.
@@ -35,7 +36,7 @@ MAX_REPORTS = 100
 CLAIM_ATTEMPTS = 50
 
 
-class StoreTampered(TimeoutError):
+class StoreTampered(CheckpointlessError, TimeoutError):
     """A trusted record could not be written: something keeps overwriting it."""
 
 

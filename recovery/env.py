@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from recovery import protocol
+from replication import contract
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,11 @@ class WorkerEnv:
             world_size=num("WORLD_SIZE", 1),
             local_rank=num("LOCAL_RANK", 0),
             local_world_size=local_world,
-            node=num(protocol.ENV_NODE, num("GROUP_RANK", rank // max(1, local_world))),
-            store_addr=env.get(protocol.ENV_STORE) or None,
-            run_dir=env.get(protocol.ENV_RUN_DIR) or os.path.join("runs", "standalone"),
-            heartbeat_file=env.get(protocol.ENV_HEARTBEAT) or None,
-            job_id=env.get(protocol.ENV_JOB_ID, "standalone"),
-            replacement=env.get(protocol.ENV_REPLACEMENT, "0") == "1",
-            config_json=env.get(protocol.ENV_CONFIG) or None,
+            node=num(contract.ENV_NODE, num("GROUP_RANK", rank // max(1, local_world))),
+            store_addr=env.get(contract.ENV_STORE) or None,
+            run_dir=env.get(contract.ENV_RUN_DIR) or os.path.join("runs", "standalone"),
+            heartbeat_file=env.get(contract.ENV_HEARTBEAT) or None,
+            job_id=contract.job_id(env) or "standalone",
+            replacement=env.get(contract.ENV_REPLACEMENT, "0") == "1",
+            config_json=env.get(contract.ENV_CONFIG) or None,
         )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from replication.errors import CheckpointlessError
 
-class FailureDetected(RuntimeError):
+
+class FailureDetected(CheckpointlessError, RuntimeError):
     """A peer or this rank failed; the runtime rolls back and recovers in-process."""
 
     def __init__(self, cause: str, *, local: bool = False) -> None:
@@ -29,15 +31,15 @@ class CollectiveAborted(FailureDetected):
         type(self).raised += 1
 
 
-class RecoveryImpossible(RuntimeError):
+class RecoveryImpossible(CheckpointlessError, RuntimeError):
     """Some rank's state has no surviving in-memory copy (the message says which)."""
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(CheckpointlessError, RuntimeError):
     """An exception raised on purpose by the fault-injection hook."""
 
 
-class Fenced(RuntimeError):
+class Fenced(CheckpointlessError, RuntimeError):
     """This process's node was declared lost and another node took its ranks over.
 
     The node may only have been slow (a heartbeat starved under load); its processes

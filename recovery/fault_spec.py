@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replication.errors import CheckpointlessError
+
 PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery")
 KINDS = ("sigkill", "sigstop", "exception", "node")
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(CheckpointlessError, ValueError):
     """A malformed fault specification (the message names the part at fault)."""
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from recovery.errors import InjectedFault
 from recovery.events import Event
 from recovery.fault_spec import FaultSpec
-from recovery.protocol import COMMITTED_KEY, fault_key
+from recovery.protocol import fault_key
 from replication.commit import committed_step
 
 
@@ -45,7 +45,7 @@ class FaultInjector:
         if self.log is not None:
             self.log.emit(Event.FAULT_INJECTED, fault=str(spec), rank=spec.rank, step=spec.step,
                           phase=spec.phase, kind=spec.kind,
-                          committed=committed_step(self.store, COMMITTED_KEY))
+                          committed=committed_step(self.store))
         if spec.kind == "exception":
             raise InjectedFault(f"injected exception on rank {spec.rank} at step {spec.step} "
                                 f"({spec.phase})")

@@ -40,22 +40,10 @@ from recovery.events import registered
 from replication import signing
 
 PREFIX = "cl"
-COMMITTED_KEY = f"{PREFIX}/committed_step"
 FATAL_KEY = f"{PREFIX}/fatal"
 DONE_PREFIX = f"{PREFIX}/done"
 
-# Environment the agent gives each worker, on top of torchrun's variables.
-ENV_STORE = "CHECKPOINTLESS_INTERNAL_STORE"  # host:port of the job's c10d store
-ENV_NODE = "CHECKPOINTLESS_INTERNAL_NODE"  # the physical node (agent) id of this worker
-ENV_RUN_DIR = "CHECKPOINTLESS_INTERNAL_RUN_DIR"  # events.jsonl and logs go here
-ENV_HEARTBEAT = "CHECKPOINTLESS_INTERNAL_HEARTBEAT"  # file whose mtime the agent watches
-ENV_JOB_ID = "CHECKPOINTLESS_INTERNAL_JOB_ID"
-ENV_CONFIG = "CHECKPOINTLESS_CONFIG_JSON"  # the resolved recipe, JSON
-ENV_JOB_KEY = signing.ENV_KEY  # the job key (hex) that seals trusted records; never logged
-
-# Exit codes a worker uses to tell its agent why it stopped.
-EXIT_FATAL = 3  # recovery impossible; the reason is under FATAL_KEY
-EXIT_FENCED = 4  # this rank's node-group was taken over by another node: not a failure
+# Environment names and exit codes are the process contract: replication/contract.py.
 
 
 def gen_prefix(gen: int) -> str:
@@ -389,8 +377,6 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 # --- Agent coordination (added with ``checkpointless run``) ----------------------------
 # Keys only agents write, kept here so the whole store layout stays reviewable in one file.
 
-#: "1" in a process started to replace a lost rank (a fresh process or a warm spare).
-ENV_REPLACEMENT = "CHECKPOINTLESS_INTERNAL_REPLACEMENT"
 #: Every agent that ever joined the job: sealed node ids between commas, appended at
 #: registration (``launcher.membership.register``).
 AGENTS_KEY = f"{PREFIX}/agents"

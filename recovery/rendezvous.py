@@ -23,9 +23,10 @@ import torch.distributed as dist
 from recovery import auth, protocol
 from recovery.errors import Fenced, RecoveryImpossible
 from recovery.protocol import JoinRecord, join_key
+from replication.errors import CheckpointlessError
 
 
-class GenerationChanged(RuntimeError):
+class GenerationChanged(CheckpointlessError, RuntimeError):
     """Another failure started a newer generation while this one was forming."""
 
 

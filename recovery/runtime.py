@@ -32,7 +32,7 @@ import xxhash
 
 from recovery import auth, elastic_controller, process_groups, protocol, user_errors
 from recovery.causes import FailureCause, classify
-from recovery.durable_restore import agree_and_read
+from recovery.durable_tier import DurableTier
 from recovery.env import WorkerEnv
 from recovery.errors import CollectiveAborted, FailureDetected, Fenced, RecoveryImpossible
 from recovery.events import Event
@@ -41,10 +41,10 @@ from recovery.faults import FaultInjector
 from recovery.recipe import CheckpointlessConfig, worker_config
 from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
 from recovery.watchdog import Watchdog
+from replication import contract
 from replication.commit import UntrustedCommit, committed_step
 from replication.memory import MemoryBudgetError
 from replication.replicator import Replicator
-from replication.snapshot import restore_from_buffer
 from replication.state import TrainingState
 from replication.transport import WaitAbandoned, wait_polled
 
@@ -122,10 +122,10 @@ class Checkpointless:
         self.gen = protocol.current_generation(self.store)
         self._created_group = False  # True: the runtime made the default group, not the script
         self.replicator: Replicator | None = None
-        self.durable = self._make_durable_writer()
-        self._persist_ticket: Any = None
-        self._persisted_step = -1
-        self._durable_bytes = 0
+        self.durable = DurableTier(
+            self.settings, rank=self.rank, world_size=self.world_size, job_id=self.env.job_id,
+            store=self.store, log=self.log, state=self.state,
+            committed_step=lambda: self.committed_step)
         self.step = 0
         self._resumed_from: dict[str, Any] | None = None
         self._replay_warned = False  # one console warning per recovery (see _report_divergence)
@@ -160,7 +160,8 @@ class Checkpointless:
                 self._setup_generation(0)
             except RecoveryImpossible as exc:  # the job cannot start: stop it, say why
                 self._fatal(str(exc))
-            self.restored_step = self._maybe_resume()
+            assert self.replicator is not None
+            self.restored_step = self.durable.maybe_resume(self.replicator)
             if self.restored_step is None and initial_snapshot:
                 self.commit_initial(0)  # the initial state is step 0, committed first
         self.start_step = (self.restored_step or 0) + 1
@@ -267,7 +268,7 @@ class Checkpointless:
     @property
     def committed_step(self) -> int:
         try:
-            return committed_step(self.store, protocol.COMMITTED_KEY)
+            return committed_step(self.store)
         except UntrustedCommit as exc:  # every rank reads the same forged value
             raise RecoveryImpossible(f"cannot agree on a recovery target: {exc}") from None
 
@@ -329,14 +330,13 @@ class Checkpointless:
     def _after_step(self, step: int, snapshot: bool | None = None) -> None:
         assert self.replicator is not None
         user_errors.mark_first_step_done()
-        # A slot the durable writer still reads is held (see _persist_committed): the
+        # A slot the durable writer still reads is held (see DurableTier.persist_committed): the
         # capture below takes another slot, or waits only if it must reuse that one.
         if snapshot is None:
             stall = self.replicator.maybe_snapshot(step)
         else:
             stall = self.replicator.snapshot(step) if snapshot else None
-        if self.durable is not None:
-            self._persist_committed()
+        self.durable.persist_committed(self.replicator)
         if stall is not None:
             self._mark_loaders_committed()
         self._report_divergence()
@@ -352,57 +352,6 @@ class Checkpointless:
             rnd = self.replicator.last_round if stall is not None else None
             self.log.emit(Event.STEP, step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
                           replicated=dataclasses.asdict(rnd) if rnd is not None else None)
-
-    def _maybe_resume(self) -> int | None:
-        """A new job whose durable path holds checkpoints resumes from the newest valid
-        one (``persistence.resume: auto``); returns its step, or ``None``."""
-        p = self.settings.persistence
-        if not p.path or p.resume != "auto":
-            return None
-        return self._restore_from_durable(
-            0, Event.DURABLE_RESUME, f"persistence.resume=auto and {p.path!r} holds checkpoints")
-
-    def _make_durable_writer(self) -> Any:
-        """The durable tier's background writer, when ``persistence.path`` is set."""
-        p = self.settings.persistence
-        if not p.path or not (p.every_n_steps or p.interval_s):
-            return None
-        from replication.durable import DurableWriter
-
-        # zero_copy: the helper process persists straight from the snapshot slot (the
-        # engine then keeps three slots in shared memory): no copy in this process.
-        return DurableWriter(p, self.rank, self.world_size, run_id=self.env.job_id,
-                             zero_copy=True)
-
-    def _persist_committed(self) -> None:
-        """Hand the newest committed snapshot to the durable writer (never waits on I/O).
-
-        ``maybe_snapshot`` has just waited for the previous round, so its step is
-        committed and its slot protected until the capture after next.
-        """
-        assert self.replicator is not None and self.durable is not None
-        last = self.replicator.last_round
-        # Step 0 is the script's own initial state (or a checkpoint just restored): not
-        # worth the helper's start-up time, which would make the first real save skip.
-        if last is None or last.step <= max(self._persisted_step, 0):
-            return
-        if not self.durable.should_persist(last.step):
-            return
-        replicator = self.replicator
-        slot = replicator.own_snapshot(last.step)
-        assert slot.buffer is not None
-        ticket = self._persist_ticket = self.durable.submit(slot.meta(), slot.buffer)
-        self._persisted_step = last.step
-        durable, patience = self.durable, self.settings.replication.timeout_s
-
-        def wait() -> None:  # a capture needs this very slot back
-            if not ticket.wait_released(patience):
-                durable.cancel(ticket)  # the previous checkpoint stays valid
-                ticket.wait_released()
-
-        # The slot must not be captured into until the writer is done reading it.
-        replicator.hold_slot(slot, wait)
-        ticket.released.add_done_callback(lambda _f: replicator.unhold_slot(slot, wait))
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.
@@ -448,12 +397,7 @@ class Checkpointless:
         assert self.replicator is not None
         self.replicator.wait()
         self._report_divergence()  # the last round sealed the last step
-        if self.durable is not None:
-            # The final step, now committed, is always persisted: let a save still in
-            # flight finish first, or the writer would skip it as "cannot keep up".
-            self.durable.flush(self.settings.replication.timeout_s)
-            self._persist_committed()
-            self.durable.close()
+        self.durable.finish(self.replicator)  # the final step is always persisted
         protocol.mark_trained(self.store, self.rank, self.step)
         self.log.emit(Event.WORKER_DONE, step=self.step, gen=self.gen)
         # The watchdog keeps beating until the process exits: the script may still have
@@ -492,11 +436,9 @@ class Checkpointless:
             self.state, store=self.store, rank=self.rank, world_size=self.world_size,
             node=self.env.node, local_world_size=self.env.local_world_size,
             config=rs.replication, memory=rs.memory, prefix=protocol.gen_prefix(gen),
-            committed_key=protocol.COMMITTED_KEY,
             previous=old,
             fault_hook=self.faults.at if self.faults else None,
-            durable_staging=bool(self.durable is not None and self.durable.staging),
-            durable_zero_copy=bool(self.durable is not None and self.durable.zero_copy),
+            durable_staging=self.durable.staging, durable_zero_copy=self.durable.zero_copy,
         )
 
     def _teardown_generation(self) -> None:
@@ -555,7 +497,7 @@ class Checkpointless:
                 if impossible is None:
                     moved = self._transfer(plan)
                 else:
-                    plan, moved = self._fall_back_to_durable(plan, impossible)
+                    plan, moved = self.durable.fall_back(self.replicator, plan, impossible)
                 break
             except RecoveryImpossible as exc:
                 self._fatal(str(exc))
@@ -623,55 +565,7 @@ class Checkpointless:
         tearing down this process's groups could only wait on peers that left them."""
         self.log.emit(Event.FENCED, rank=self.rank, gen=self.gen, reason=reason)
         print(f"checkpointless: {reason}", file=sys.stderr, flush=True)
-        os._exit(protocol.EXIT_FENCED)
-
-    # -- the durable tier ----------------------------------------------------------------
-    def _fall_back_to_durable(self, plan: RecoveryPlan, reason: str) -> tuple[RecoveryPlan, int]:
-        """In-memory recovery is impossible: every rank restores the newest durable
-        checkpoint that all of them can verify (see :mod:`recovery.durable_restore`)."""
-        path = self.settings.persistence.path
-        if not path:
-            raise RecoveryImpossible(f"{reason}; persistence.path is not set, so there is no "
-                                     "durable checkpoint to fall back to")
-        step = self._restore_from_durable(plan.gen, Event.DURABLE_FALLBACK, reason)
-        if step is None:
-            raise RecoveryImpossible(f"{reason}; and the durable tier at {path!r} holds no "
-                                     "complete checkpoint yet")
-        return RecoveryPlan(plan.gen, step, plan.records, {}), self._durable_bytes
-
-    def _restore_from_durable(self, gen: int, event: str, reason: str) -> int | None:
-        """Agree on a checkpoint, restore it, and make its step the committed one.
-
-        Returns the restored step, or ``None`` when storage holds no checkpoint. The
-        restored state is snapshotted and replicated at once (as step 0 is at start),
-        so the next failure can again be recovered from memory.
-        """
-        assert self.replicator is not None
-        committed_before = self.committed_step
-        got = agree_and_read(self.store, gen, self.rank, self.world_size,
-                             self.settings.persistence,
-                             lambda: protocol.current_generation(self.store))
-        if got is None:
-            return None
-        choice, meta, buffer = got
-        restore_from_buffer(self.state, buffer, meta)
-        self._durable_bytes = buffer.numel()
-        del buffer
-        self.replicator.snapshot(choice.step)
-        self.replicator.wait()
-        self._persisted_step = choice.step
-        lost = max(0, committed_before - choice.step) if committed_before >= 0 else 0
-        self.log.emit(event, rank=self.rank, gen=gen, step=choice.step, path=choice.url,
-                      reason=reason, skipped=choice.skipped, committed_before=committed_before,
-                      steps_lost=lost, read_s=round(choice.read_s, 4))
-        if self.rank == 0:
-            skipped = "".join(f"; skipped step {s['step']} ({s['reason']})"
-                              for s in choice.skipped)
-            what = ("resuming" if event == Event.DURABLE_RESUME
-                    else "falling back to durable storage")
-            print(f"[checkpointless] {what}: {reason}; every rank restored step {choice.step} "
-                  f"from {choice.url}{skipped}", file=sys.stderr, flush=True)
-        return choice.step
+        os._exit(contract.EXIT_FENCED)
 
     def _transfer(self, plan: RecoveryPlan) -> int:
         """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its

@@ -24,6 +24,8 @@ import traceback
 from dataclasses import dataclass
 from typing import NoReturn
 
+from replication import contract
+
 #: Frames in these directories are the runtime's or a library's, not the user's.
 _NOT_USER = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # this checkout
@@ -107,13 +109,12 @@ def stop_job(reason: str, exc: BaseException) -> bool:
 
 def stop_before_first_step(exc: BaseException) -> NoReturn:
     """The script raised before this process completed a step: stop the job."""
-    from recovery import protocol
     from recovery.env import WorkerEnv
 
     rank = WorkerEnv.from_environ().rank
     stop_job(f"rank {rank} raised {describe(exc)} before its first step; a failure "
              "in the script or its set-up is not retried", exc)
-    raise SystemExit(protocol.EXIT_FATAL)
+    raise SystemExit(contract.EXIT_FATAL)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from replication.errors import CheckpointlessError
+
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor."""
@@ -44,5 +46,5 @@ class Hasher:
 
 
 
-class ChecksumMismatch(RuntimeError):
+class ChecksumMismatch(CheckpointlessError, RuntimeError):
     """Bytes whose digest differs from the one recorded when they were written."""

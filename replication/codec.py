@@ -19,13 +19,15 @@ from typing import Any
 
 import torch
 
+from replication.errors import CheckpointlessError
+
 try:  # numpy is optional for users, but its RNG state and arrays are common leaves.
     import numpy as np
 except ImportError:  # pragma: no cover - numpy is a declared dependency
     np = None  # type: ignore[assignment]
 
 
-class CodecError(TypeError):
+class CodecError(CheckpointlessError, TypeError):
     """A state leaf the snapshot codec cannot represent (the message names its path)."""
 
 

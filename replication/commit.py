@@ -17,15 +17,19 @@ import time
 import torch.distributed as dist
 
 from replication import signing
+from replication.errors import CheckpointlessError
 
-COMMITTED_KEY = "checkpointless/committed_step"
+#: The job's committed step, sealed: the one key every reader of it uses (the worker
+#: runtime, the fault injector, the agent's end-of-job line). It sits under the control
+#: plane's ``cl/`` prefix (``recovery.protocol``) but is defined here, where it is written.
+COMMITTED_KEY = "cl/committed_step"
 
 
-class CommitTimeout(RuntimeError):
+class CommitTimeout(CheckpointlessError, RuntimeError):
     """Not every rank acknowledged a step in time (a peer is slow or dead)."""
 
 
-class UntrustedCommit(RuntimeError):
+class UntrustedCommit(CheckpointlessError, RuntimeError):
     """The committed-step record does not carry a valid seal (see ``replication.signing``)."""
 
 

@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from replication.config import MemoryConfig
+from replication.errors import CheckpointlessError
 
 # Extra optimizer state per parameter byte, for optimizers whose state is created
 # lazily at the first step (Adam's moments do not exist before step 1).
@@ -22,7 +23,7 @@ _LAZY_STATE_FACTOR = {
 }
 
 
-class MemoryBudgetError(RuntimeError):
+class MemoryBudgetError(CheckpointlessError, RuntimeError):
     """The host cannot hold the snapshot, its replicas and staging within the budget."""
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from replication.errors import CheckpointlessError
 
-class PlacementError(ValueError):
+
+class PlacementError(CheckpointlessError, ValueError):
     """The topology cannot honour the replication factor (message says why)."""
 
 

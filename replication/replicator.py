@@ -38,10 +38,11 @@ import xxhash
 
 from replication import tags
 from replication.checksum import ChecksumMismatch, Hasher
-from replication.commit import CommitLedger
+from replication.commit import COMMITTED_KEY, CommitLedger
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.digest_copy import segment_trailer, verify_segments
 from replication.drift import DriftWatch
+from replication.errors import CheckpointlessError
 from replication.handover import HandoverResult, hand_over
 from replication.layout import SnapshotLayout, flatten
 from replication.memory import (
@@ -85,7 +86,7 @@ def _run_in_daemon_thread(fn: Callable[..., RoundStats], *args: object) -> Futur
     return fut
 
 
-class ReplicationError(RuntimeError):
+class ReplicationError(CheckpointlessError, RuntimeError):
     """A replication round failed; the step it was for is not committed."""
 
 
@@ -179,7 +180,7 @@ class Replicator:
         )
         self.ledger = CommitLedger(
             store, world_size, ack_prefix=f"{prefix}/acks",
-            committed_key=committed_key or f"{prefix}/committed_step",
+            committed_key=committed_key or COMMITTED_KEY,
             timeout_s=self.config.timeout_s,
         )
         # Every rank's node and expected state size: placement needs the nodes, the

@@ -13,9 +13,10 @@ JSON, and is stored readable, so the store stays debuggable; seals give integrit
 secrecy).
 
 Where the key comes from: ``checkpointless run`` derives it from the job secret and the
-rendezvous id and hands it to its workers in :data:`ENV_KEY`. A process without that
-variable (``python train.py`` on a laptop, the multi-process unit tests) uses a fixed,
-public key: everything works the same, and nothing is authenticated
+rendezvous id and hands it to its workers in
+:data:`~replication.contract.ENV_JOB_KEY`. A process without that variable
+(``python train.py`` on a laptop, the multi-process unit tests) uses a fixed, public
+key: everything works the same, and nothing is authenticated
 (:attr:`Signer.authenticated` is False).
 
 This module is stdlib-only so that ``replication`` (the commit ledger) can seal values
@@ -29,8 +30,9 @@ import hmac
 import os
 import threading
 
+from replication.contract import ENV_JOB_KEY
+
 #: The job key (hex) that ``checkpointless run`` gives every worker; never logged.
-ENV_KEY = "CHECKPOINTLESS_INTERNAL_JOB_KEY"
 
 _MAGIC = b"cl1:"
 _MAC_HEX = 64  # hex digits of an HMAC-SHA256
@@ -97,7 +99,8 @@ _process_signer: Signer | None = None
 
 
 def process_signer() -> Signer:
-    """This process's signer: the one :func:`install`\\ ed, else from :data:`ENV_KEY`.
+    """This process's signer: the one :func:`install`\\ ed, else from
+    :data:`~replication.contract.ENV_JOB_KEY`.
 
     Without either, a public key (nothing is authenticated; see the module docstring).
     """
@@ -105,12 +108,12 @@ def process_signer() -> Signer:
     if _process_signer is None:
         with _lock:
             if _process_signer is None:
-                text = os.environ.get(ENV_KEY, "")
+                text = os.environ.get(ENV_JOB_KEY, "")
                 if text:
                     try:
                         key = bytes.fromhex(text)
                     except ValueError:
-                        raise ValueError(f"environment variable {ENV_KEY} is not hex") from None
+                        raise ValueError(f"environment variable {ENV_JOB_KEY} is not hex") from None
                     _process_signer = Signer(key)
                 else:
                     _process_signer = Signer(_UNAUTHENTICATED_KEY, authenticated=False)
@@ -118,7 +121,8 @@ def process_signer() -> Signer:
 
 
 def install(signer: Signer | None) -> None:
-    """Make ``signer`` this process's signer (None: read :data:`ENV_KEY` again)."""
+    """Make ``signer`` this process's signer (None: read
+    :data:`~replication.contract.ENV_JOB_KEY` again)."""
     global _process_signer
     with _lock:
         _process_signer = signer

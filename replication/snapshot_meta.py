@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from replication.errors import CheckpointlessError
 from replication.layout import SnapshotLayout
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(CheckpointlessError, RuntimeError):
     """A snapshot that is missing, incomplete or fails its checksum."""
 
 

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from replication.errors import CheckpointlessError
+
 try:
     import numpy as np
 except ImportError:  # pragma: no cover
@@ -54,7 +56,7 @@ class RNGState:
             torch.cuda.set_rng_state_all(state_dict["cuda"])
 
 
-class StateRegistrationError(TypeError):
+class StateRegistrationError(CheckpointlessError, TypeError):
     """An object that cannot be part of the training state (message says why)."""
 
 

@@ -17,15 +17,16 @@ import torch
 import torch.distributed as dist
 
 from replication.abortable_gloo import AbortableGloo
+from replication.errors import CheckpointlessError
 
 _POLL = datetime.timedelta(milliseconds=100)
 
 
-class TransportError(RuntimeError):
+class TransportError(CheckpointlessError, RuntimeError):
     """A peer transfer failed or timed out (usually: the peer died)."""
 
 
-class WaitAbandoned(RuntimeError):
+class WaitAbandoned(CheckpointlessError, RuntimeError):
     """``wait_polled`` gave up because ``should_stop()`` turned true."""
 
 

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recovery.recipe import (
-    CONFIG_JSON_ENV,
     RESERVED_ENV,
     CheckpointlessConfig,
     ConfigError,
@@ -25,6 +24,7 @@ from recovery.recipe import (
     load_config,
 )
 from recovery.recipe.fields import fields_by_env
+from replication import contract
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "examples" / "recipes"
@@ -443,7 +443,8 @@ def test_reserved_env_vars_are_ignored():
     env["CHECKPOINTLESS_INTERNAL_GENERATION"] = "7"
     env["CHECKPOINTLESS_INTERNAL_anything"] = "x"
     assert load_config(env=env) == CheckpointlessConfig()
-    assert {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES", CONFIG_JSON_ENV} <= RESERVED_ENV
+    assert {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES",
+            contract.ENV_CONFIG} <= RESERVED_ENV
 
 
 def test_unknown_env_var_is_named_with_suggestions():

@@ -104,3 +104,25 @@ def _literal_event_names() -> set[tuple[str, str]]:
 def test_every_event_written_anywhere_is_registered() -> None:
     names = {e.value for e in Event}
     assert [(p, n) for p, n in sorted(_literal_event_names()) if n not in names] == []
+
+
+_BUILTIN_ERRORS = {"Exception", "RuntimeError", "ValueError", "TypeError", "TimeoutError",
+                   "OSError", "KeyError"}
+
+
+def test_every_exception_of_the_project_derives_from_one_root() -> None:
+    """A class that derives straight from a builtin exception also derives from
+    CheckpointlessError (subclasses of ours inherit it)."""
+    missing, rooted = [], 0
+    for pkg in ("recovery", "replication", "launcher", "dataloader_cache"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                rooted += "CheckpointlessError" in bases
+                if bases & _BUILTIN_ERRORS and "CheckpointlessError" not in bases \
+                        and node.name != "CheckpointlessError":
+                    missing.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert missing == []
+    assert rooted >= 30  # the scan saw the project's exceptions

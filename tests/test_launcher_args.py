@@ -14,7 +14,7 @@ from launcher.cli import main
 from launcher.commands.run_cmd import resolve_config
 from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace, parse_endpoint
 from launcher.worker_env import JobEnv
-from recovery import protocol
+from replication import contract
 from tests.launcher_scripts.harness import REPO, WORKER, clean_env
 
 SCRIPT = str(WORKER)
@@ -150,13 +150,13 @@ def test_max_restarts_flag_yields_to_recipe_and_overrides(tmp_path):
 def test_worker_env_layers():
     job = JobEnv(store_host="h", store_port=5, nproc=2, nnodes=3, node=4, run_id="j",
                  max_restarts=9, run_dir="/r", config_json="{}")
-    base = job.base({"PATH": "/bin", protocol.ENV_NODE: "stale", "OMP_NUM_THREADS": "8"})
-    assert base["OMP_NUM_THREADS"] == "8" and base[protocol.ENV_NODE] == "4"
+    base = job.base({"PATH": "/bin", contract.ENV_NODE: "stale", "OMP_NUM_THREADS": "8"})
+    assert base["OMP_NUM_THREADS"] == "8" and base[contract.ENV_NODE] == "4"
     assert "OMP_NUM_THREADS" in job.base({}) and "RANK" not in base
     env = job.for_rank(base, group_rank=1, local_rank=1, restart_count=2, heartbeat="/hb",
                        replacement=True)
     assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"]) == ("3", "1", "6")
-    assert env[protocol.ENV_REPLACEMENT] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env[contract.ENV_REPLACEMENT] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "2"
 
 
 @pytest.mark.parametrize("endpoint,message", [

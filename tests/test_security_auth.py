@@ -19,7 +19,7 @@ from launcher import job_outcome, job_store, liveness, membership
 from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
 from recovery.rendezvous import join
-from replication import signing
+from replication import contract, signing
 from replication.commit import CommitLedger, UntrustedCommit, committed_step
 from replication.signing import Signer, derive_job_key
 from tests.helpers.mp import free_port, tcp_store
@@ -101,11 +101,11 @@ def test_job_key_depends_on_secret_and_job_id():
 
 
 def test_without_a_job_key_a_process_is_unauthenticated(monkeypatch):
-    monkeypatch.delenv(signing.ENV_KEY, raising=False)
+    monkeypatch.delenv(contract.ENV_JOB_KEY, raising=False)
     signing.install(None)
     try:
         assert signing.process_signer().authenticated is False
-        monkeypatch.setenv(signing.ENV_KEY, os.urandom(32).hex())
+        monkeypatch.setenv(contract.ENV_JOB_KEY, os.urandom(32).hex())
         signing.install(None)
         assert signing.process_signer().authenticated is True
     finally:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from replication import contract
+
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "rogue-test-secret-" + "9f3c" * 8
 FAULT_STEP = 11
@@ -257,13 +259,12 @@ def test_config_show_ignores_and_never_prints_the_secret(capsys, monkeypatch):
 
 def test_worker_env_carries_the_job_key_never_the_secret():
     from launcher.worker_env import JobEnv
-    from recovery import protocol
 
     job = JobEnv(store_host="h", store_port=5, nproc=2, nnodes=1, node=0, run_id="j",
                  max_restarts=1, run_dir="/r", config_json="{}", job_key="ab" * 32,
                  gloo_ifname="lo")
     env = job.base({"CHECKPOINTLESS_JOB_SECRET": SECRET, "PATH": "/bin"})
-    assert env[protocol.ENV_JOB_KEY] == "ab" * 32
+    assert env[contract.ENV_JOB_KEY] == "ab" * 32
     assert "CHECKPOINTLESS_JOB_SECRET" not in env and SECRET not in repr(env)
     assert "ab" * 32 not in repr(job)
     assert env["GLOO_SOCKET_IFNAME"] == "lo"

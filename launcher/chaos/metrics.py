@@ -41,24 +41,27 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-Event = Mapping[str, Any]
+from recovery.events import Event
+from replication.errors import CheckpointlessError
 
-DETECTION_EVENTS = ("failure_detected", "failure_declared")
+Record = Mapping[str, Any]  # one event of a run, as read back
+
+DETECTION_EVENTS = (Event.FAILURE_DETECTED, Event.FAILURE_DECLARED)
 TIMING_KEYS = ("detect_s", "abort_s", "rendezvous_s", "transfer_s")
 
 
-class MetricsError(ValueError):
+class MetricsError(CheckpointlessError, ValueError):
     """The timeline lacks what a figure needs (the message says what)."""
 
 
-def step_events(events: Iterable[Event], source: str = "rank0") -> list[Event]:
+def step_events(events: Iterable[Record], source: str = "rank0") -> list[Record]:
     """Rank 0's ``step`` events (``source`` rank0 in events.jsonl, rank 0 in progress)."""
-    return [e for e in events if e.get("event") == "step"
+    return [e for e in events if e.get("event") == Event.STEP
             and (e.get("source") == source or (e.get("source") is None and e.get("rank") == 0))]
 
 
 def training_window(
-    events: Iterable[Event], last_step: int, first_step: int = 1
+    events: Iterable[Record], last_step: int, first_step: int = 1
 ) -> tuple[float, float]:
     """(first completion of ``first_step``, last completion of ``last_step``) on rank 0."""
     steps = step_events(events)
@@ -70,12 +73,12 @@ def training_window(
     return min(firsts), max(ends)
 
 
-def window_s(events: Iterable[Event], last_step: int, first_step: int = 1) -> float:
+def window_s(events: Iterable[Record], last_step: int, first_step: int = 1) -> float:
     start, end = training_window(events, last_step, first_step)
     return end - start
 
 
-def median_step_s(events: Iterable[Event]) -> float:
+def median_step_s(events: Iterable[Record]) -> float:
     """Median time between rank 0 completing a step and the next one (consecutive step
     numbers only): the run's own failure-free pace, robust to the slow steps around
     failures as long as they are fewer than half."""
@@ -103,7 +106,7 @@ def goodput_bound(total_cost_s: float, t_chaos: float) -> float:
 @dataclass
 class Incident:
     gen: int  # the generation whose recovery completed it
-    faults: list[Event] = field(default_factory=list)
+    faults: list[Record] = field(default_factory=list)
     start: float = 0.0  # first fault (or first detection when unplanned)
     detected: float = 0.0
     recovered: float = 0.0
@@ -150,20 +153,20 @@ class Incident:
         }
 
 
-def incidents(events: Sequence[Event], step_s: float = 0.0) -> list[Incident]:
+def incidents(events: Sequence[Record], step_s: float = 0.0) -> list[Incident]:
     """Cut the timeline into incidents, one per completed in-process recovery.
 
     ``step_s`` (a failure-free step) turns on the ``resume`` part; 0 leaves it out.
     """
-    recs: dict[int, list[Event]] = {}
+    recs: dict[int, list[Record]] = {}
     for e in events:
-        if e.get("event") == "recovery":
+        if e.get("event") == Event.RECOVERY:
             recs.setdefault(int(e["gen"]), []).append(e)
-    faults = sorted((e for e in events if e.get("event") == "fault_injected"),
+    faults = sorted((e for e in events if e.get("event") == Event.FAULT_INJECTED),
                     key=lambda e: float(e["ts"]))
     detections = sorted(float(e["ts"]) for e in events if e.get("event") in DETECTION_EVENTS)
     steps = step_events(events)
-    ready0 = [float(e["ts"]) for e in events if e.get("event") == "worker_ready"
+    ready0 = [float(e["ts"]) for e in events if e.get("event") == Event.WORKER_READY
               and e.get("source") == "rank0" and int(e.get("gen", 0)) == 0]
     out: list[Incident] = []
     prev_done = float("-inf")
@@ -205,17 +208,17 @@ def incidents(events: Sequence[Event], step_s: float = 0.0) -> list[Incident]:
     return out
 
 
-def unresolved_faults(events: Sequence[Event]) -> list[Event]:
+def unresolved_faults(events: Sequence[Record]) -> list[Record]:
     """Faults that fired after the last completed recovery and before the run ended."""
-    done = [float(e["recovered_at"]) for e in events if e.get("event") == "recovery"]
+    done = [float(e["recovered_at"]) for e in events if e.get("event") == Event.RECOVERY]
     last = max(done, default=float("-inf"))
-    return [e for e in events if e.get("event") == "fault_injected" and float(e["ts"]) > last]
+    return [e for e in events if e.get("event") == Event.FAULT_INJECTED and float(e["ts"]) > last]
 
 
-def count_fallbacks(events: Iterable[Event]) -> int:
+def count_fallbacks(events: Iterable[Record]) -> int:
     """Distinct durable fallbacks (``durable_fallback`` events, one per generation)."""
     keys = {(e.get("gen"), e.get("step"), e.get("path")) if e.get("gen") is None
-            else e.get("gen") for e in events if e.get("event") == "durable_fallback"}
+            else e.get("gen") for e in events if e.get("event") == Event.DURABLE_FALLBACK}
     return len(keys)
 
 

@@ -31,6 +31,7 @@ from launcher.chaos import procs
 from launcher.chaos.schedule import Fault
 from launcher.chaos.storage import OutagePlayer, StorageSwitch
 from launcher.local_cluster import free_port
+from recovery.events import Event
 
 #: The directory that holds the ``launcher`` package (the repository root in a source
 #: checkout): the children's working directory and the head of their PYTHONPATH, so the
@@ -274,17 +275,17 @@ def run_checkpointless(
         while True:
             now = time.monotonic()
             for e in tail.poll():
-                if e.get("event") == "step" and e.get("source") == "rank0":
+                if e.get("event") == Event.STEP and e.get("source") == "rank0":
                     player.on_step(int(e["step"]))
                     if int(e["step"]) > best_step:
                         best_step, stalled_gens = int(e["step"]), set()
-                elif e.get("event") == "recovery":
+                elif e.get("event") == Event.RECOVERY:
                     stalled_gens.add(e.get("gen"))
-                elif e.get("event") == "failure_detected":
+                elif e.get("event") == Event.FAILURE_DETECTED:
                     cause = e.get("cause") or {}
                     if cause.get("local"):
                         last_error = f"rank {e.get('rank')}: {cause.get('error')}"
-                elif e.get("event") == "node_takeover":
+                elif e.get("event") == Event.NODE_TAKEOVER:
                     # Keep a spare node waiting at all times: a node can also be lost
                     # without a scheduled fault (an agent starved of CPU for a whole
                     # heartbeat timeout), and the next scheduled loss must find one.
@@ -327,7 +328,8 @@ def run_checkpointless(
         stragglers = _finish(token, list(agents.values()))
     tail.poll()
     events = tail.records
-    reasons = [str(e.get("reason")) for e in events if e.get("event") in ("job_failed", "fatal")]
+    reasons = [str(e.get("reason")) for e in events
+               if e.get("event") in (Event.JOB_FAILED, Event.FATAL)]
     if looping:
         reasons.insert(0, looping)
     return RunResult(
@@ -380,7 +382,7 @@ def run_torchrun(
             launches.append(proc)
             while proc.poll() is None and not timed_out:
                 for e in tail.poll():
-                    if e.get("event") == "step" and e.get("rank") == 0:
+                    if e.get("event") == Event.STEP and e.get("rank") == 0:
                         player.on_step(int(e["step"]))
                 player.tick()
                 polls += 1

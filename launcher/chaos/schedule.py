@@ -35,6 +35,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from replication.errors import CheckpointlessError
 from replication.placement import place_replicas
 
 KINDS = ("sigkill", "sigstop", "exception", "node")
@@ -56,7 +57,7 @@ EXCEPTION_PHASES = ("step", "forward", "backward", "optimizer")
 PRIMARY_FOR_RECOVERY = ("forward", "backward")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(CheckpointlessError, ValueError):
     """A schedule cannot be built from these parameters (the message names which)."""
 
 

@@ -24,6 +24,8 @@ from typing import Any
 from launcher.chaos import metrics, procs
 from launcher.chaos.runs import JobSpec, RunResult, run_checkpointless, run_torchrun
 from launcher.chaos.schedule import Schedule, Topology, describe, generate, parse_mix
+from recovery.events import Event
+from replication.errors import CheckpointlessError
 
 #: The fields of final_rank<r>.json that must equal the failure-free run's.
 FINAL_FIELDS = ("step", "digest", "data_order", "position")
@@ -103,7 +105,7 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] chaos: {msg}", file=sys.stderr, flush=True)
 
 
-class BenchmarkError(RuntimeError):
+class BenchmarkError(CheckpointlessError, RuntimeError):
     pass
 
 
@@ -229,12 +231,12 @@ def _check_complete(run: RunResult, spec: JobSpec, what: str) -> None:
 def _chaos_figures(spec: JobSpec, sched: Schedule, ref: RunResult, chaos: RunResult,
                    t_ff: float) -> dict[str, Any]:
     ev = chaos.events
-    fired = [e for e in ev if e.get("event") == "fault_injected"]
+    fired = [e for e in ev if e.get("event") == Event.FAULT_INJECTED]
     by_kind = Counter(str(e.get("kind")) for e in fired)
     if chaos.outages:
         by_kind["storage"] = len(chaos.outages)
-    rec_gens = {int(e["gen"]) for e in ev if e.get("event") == "recovery"}
-    fallback_gens = {e.get("gen") for e in ev if e.get("event") == "durable_fallback"}
+    rec_gens = {int(e["gen"]) for e in ev if e.get("event") == Event.RECOVERY}
+    fallback_gens = {e.get("gen") for e in ev if e.get("event") == Event.DURABLE_FALLBACK}
     incs = metrics.incidents(ev, step_s=t_ff / spec.window_steps)
     same, why = _same_final(ref, chaos, spec.world)
     out: dict[str, Any] = {
@@ -334,7 +336,7 @@ def _baseline(opt: Options, spec: JobSpec, sched: Schedule, root: Path, deadline
     t_ff_b = metrics.window_s(base_ff.events, spec.steps, spec.warmup_steps)
     step_b = t_ff_b / spec.window_steps
     saves = [float(e["save_s"]) for e in base_ff.events
-             if e.get("event") == "saved" and e.get("rank") == 0]
+             if e.get("event") == Event.SAVED and e.get("rank") == 0]
     save_s = metrics.mean(saves)
     out.update(baseline_window_ff_s=round(t_ff_b, 3),
                baseline_t_step_s=round(step_b, 5),
@@ -351,8 +353,8 @@ def _baseline(opt: Options, spec: JobSpec, sched: Schedule, root: Path, deadline
                         max_scheduler_restarts=sched.node_losses + 3, log=log)
     leftovers += base.leftovers
     out["_baseline_load"]["baseline"] = base.load_avg
-    fired = [e for e in base.events if e.get("event") == "fault_injected"]
-    restarts = sum(1 for e in base.events if e.get("event") == "start" and e.get("rank") == 0)
+    fired = [e for e in base.events if e.get("event") == Event.FAULT_INJECTED]
+    restarts = sum(1 for e in base.events if e.get("event") == Event.START and e.get("rank") == 0)
     truncated = not (len(base.finals) == spec.world and not base.timed_out)
     out.update(baseline_failures_injected=len(fired) + len(base.outages),
                baseline_restarts=max(0, restarts - 1),

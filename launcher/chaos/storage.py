@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.chaos.schedule import Fault
+from recovery.events import Event
 
 
 class StorageSwitch:
@@ -67,7 +68,7 @@ class OutagePlayer:
             fault = self.todo.pop(0)
             self.switch.fail()
             self.active = (fault, time.monotonic() + fault.duration_s, step)
-            self._emit("storage_outage_start", incident=fault.incident, step=step,
+            self._emit(Event.STORAGE_OUTAGE_START, incident=fault.incident, step=step,
                        duration_s=fault.duration_s)
             self.log(f"storage outage for {fault.duration_s}s from step {step}")
 
@@ -86,7 +87,7 @@ class OutagePlayer:
         self.active = None
         self.applied.append({"incident": fault.incident, "from_step": first,
                              "to_step": self.step, "duration_s": fault.duration_s})
-        self._emit("storage_outage_end", incident=fault.incident, step=self.step)
+        self._emit(Event.STORAGE_OUTAGE_END, incident=fault.incident, step=self.step)
 
     def _emit(self, event: str, **fields: Any) -> None:
         record = {"ts": time.time(), "event": event, "source": "chaos", "rank": -1, **fields}

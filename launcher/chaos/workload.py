@@ -51,6 +51,7 @@ try:
 except ImportError:  # pragma: no cover - run with the repository on PYTHONPATH
     raise SystemExit("goodput_worker: run with the repository root on PYTHONPATH") from None
 
+from recovery.events import Event
 from recovery.fault_spec import FaultSpec, parse_faults
 
 #: Where a restarted baseline waits for storage to come back before it gives up.
@@ -154,7 +155,7 @@ class FileFaults:
                 self._fire(spec)
 
     def _fire(self, spec: FaultSpec) -> None:
-        self.log.emit("fault_injected", fault=str(spec), step=spec.step, phase=spec.phase,
+        self.log.emit(Event.FAULT_INJECTED, fault=str(spec), step=spec.step, phase=spec.phase,
                       kind=spec.kind)
         if spec.kind == "exception":
             raise RuntimeError(f"injected exception on rank {spec.rank} at step {spec.step}")
@@ -235,7 +236,7 @@ def run_dcp(args: argparse.Namespace, out: Path) -> None:
                             world_size=world, timeout=slow)
     train_group = dist.new_group(timeout=timedelta(seconds=args.pg_timeout_s))
     log = Timeline(out, rank)
-    log.emit("start", pid=os.getpid(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
+    log.emit(Event.START, pid=os.getpid(), restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                                  "0")))
     job = Job(args, rank, world)
     faults = FileFaults(parse_faults(args.faults), rank, out / "fired", log)
@@ -254,7 +255,7 @@ def run_dcp(args: argparse.Namespace, out: Path) -> None:
         torch.set_rng_state(sd[f"rank{rank}"]["rng"])
         job.data.load_state_dict(sd[f"rank{rank}"]["data"])
         start = step0 + 1
-        log.emit("resumed", step=step0, load_s=time.time() - t0)
+        log.emit(Event.RESUMED, step=step0, load_s=time.time() - t0)
     faults.at_restart()
     dist.barrier()  # every rank is ready: from here on, a silent peer is a hung one
 
@@ -273,17 +274,17 @@ def run_dcp(args: argparse.Namespace, out: Path) -> None:
         faults.at("snapshot")
         faults.at("replication")
         if rank == 0:
-            log.emit("step", step=step)
+            log.emit(Event.STEP, step=step)
         if step % args.ckpt_every == 0 or step == args.steps:
             t0 = time.time()
             try:
                 dcp.save(_state(job, rank), checkpoint_id=str(root / f"step_{step}"),
                          process_group=train_group)
-                log.emit("saved", step=step, save_s=time.time() - t0)
+                log.emit(Event.SAVED, step=step, save_s=time.time() - t0)
             except Exception as exc:  # generous: a plain script would die here
                 if "timed out" in str(exc).lower() or "connection" in str(exc).lower():
                     raise  # a peer is gone or hung, not the storage
-                log.emit("save_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:300])
+                log.emit(Event.SAVE_FAILED, step=step, error=f"{type(exc).__name__}: {exc}"[:300])
     write_final(out, job.final(args.steps))
     dist.destroy_process_group()
 

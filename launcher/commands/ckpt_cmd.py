@@ -20,9 +20,10 @@ import sys
 import time
 from typing import Any
 
+from replication.contract import EXIT_FAILED, EXIT_USAGE
+from replication.errors import CheckpointlessError
+
 PROG = "checkpointless"
-EXIT_DAMAGED = 1
-EXIT_USAGE = 2
 
 EPILOG = """\
 examples:
@@ -39,7 +40,7 @@ examples:
 listing); file contents are re-hashed only by `verify`."""
 
 
-class _CkptError(Exception):
+class _CkptError(CheckpointlessError):
     pass
 
 
@@ -298,7 +299,7 @@ def _verify(args: argparse.Namespace) -> int:
                   f"in {r.duration_s:.2f}s  {r.url}")
             for p in r.problems:
                 print(f"    {p}")
-    return 0 if all(r.ok for r in reports) else EXIT_DAMAGED
+    return 0 if all(r.ok for r in reports) else EXIT_FAILED
 
 
 def _prune(args: argparse.Namespace) -> int:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from replication.contract import EXIT_USAGE
+
 PROG = "checkpointless"
-EXIT_USAGE = 2
 
 EPILOG = """\
 examples:

@@ -18,9 +18,9 @@ from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace
 from recovery.recipe import CheckpointlessConfig, load_config, read_recipe
 from recovery.recipe.fields import fields_by_path
 from recovery.recipe.schema import BLOCK_KEY
+from replication.contract import EXIT_USAGE
 
 PROG = "checkpointless"
-EXIT_USAGE = 2
 _MAX_RESTARTS_PATH = ("recovery", "max_restarts")
 
 DESCRIPTION = """\

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recovery.events import Event
+from replication.errors import CheckpointlessError
 
 EVENTS_FILE = "events.jsonl"
 
 
-class ReportError(Exception):
+class ReportError(CheckpointlessError):
     """Bad input to the report (missing run dir, unusable events or history)."""
 
 

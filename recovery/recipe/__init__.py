@@ -19,7 +19,6 @@ from recovery.recipe.loader import load_config
 from recovery.recipe.recipe import RecipeBlock, read_recipe
 from recovery.recipe.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
 from recovery.recipe.serialize import (
-    CONFIG_JSON_ENV,
     config_from_json,
     config_to_json,
     config_to_yaml,
@@ -29,7 +28,6 @@ from recovery.recipe.sources import RESERVED_ENV, RESERVED_ENV_PREFIX, is_reserv
 
 __all__ = [
     "BLOCK_KEY",
-    "CONFIG_JSON_ENV",
     "RESERVED_ENV",
     "RESERVED_ENV_PREFIX",
     "SECTIONS",

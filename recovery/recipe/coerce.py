@@ -18,13 +18,14 @@ import yaml
 
 from recovery.recipe.errors import short_repr
 from recovery.recipe.fields import FieldSpec
+from replication.errors import CheckpointlessError
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 _MAX_DEPTH = 32
 
 
-class InvalidValue(ValueError):
+class InvalidValue(CheckpointlessError, ValueError):
     """The value does not fit the field; the message says what was expected."""
 
 

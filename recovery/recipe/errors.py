@@ -10,6 +10,8 @@ import difflib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from replication.errors import CheckpointlessError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -24,7 +26,7 @@ class Problem:
         return f"{self.key}: {self.message}{where}"
 
 
-class ConfigError(ValueError):
+class ConfigError(CheckpointlessError, ValueError):
     """Invalid configuration; ``problems`` lists each issue, the message one per line."""
 
     def __init__(self, problems: Sequence[Problem] | Problem | str):

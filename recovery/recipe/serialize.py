@@ -18,9 +18,8 @@ from recovery.recipe.fields import all_fields
 from recovery.recipe.schema import BLOCK_KEY, SECTIONS, CheckpointlessConfig
 from recovery.recipe.sources import Assignment
 from recovery.recipe.validate import cross_check
+from replication import contract
 
-#: The env var through which the launcher hands the resolved config to its workers.
-CONFIG_JSON_ENV = "CHECKPOINTLESS_CONFIG_JSON"
 _COMMENT_COLUMN = 40
 
 
@@ -47,7 +46,7 @@ def config_to_json(cfg: CheckpointlessConfig, *, indent: int | None = None) -> s
     return json.dumps(cfg.to_dict(), indent=indent)
 
 
-def config_from_json(text: str, *, source: str = CONFIG_JSON_ENV) -> CheckpointlessConfig:
+def config_from_json(text: str, *, source: str = contract.ENV_CONFIG) -> CheckpointlessConfig:
     """Parse and re-validate JSON from :func:`config_to_json`.
 
     The worker trusts nothing it did not check: the JSON crossed a process boundary

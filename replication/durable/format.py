@@ -38,6 +38,7 @@ import torch
 
 from replication import checksum, codec
 from replication.digest_copy import segment_trailer
+from replication.errors import CheckpointlessError
 from replication.layout import SegmentLayout
 from replication.snapshot_meta import SnapshotError, SnapshotMeta
 
@@ -50,7 +51,7 @@ HISTORY = "checkpoint_history.csv"
 STEP_RE = re.compile(r"^step_(\d+)$")
 
 
-class DurableError(RuntimeError):
+class DurableError(CheckpointlessError, RuntimeError):
     """A durable checkpoint that is missing, malformed or unusable (message says why)."""
 
 

@@ -31,6 +31,7 @@ import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
 from replication.durable.format import FileRecord
+from replication.errors import CheckpointlessError
 
 log = logging.getLogger("checkpointless.durable")
 
@@ -309,7 +310,7 @@ class DirectFile:
         self._close(ok=exc_type is None)
 
 
-class SaveAborted(OSError):
+class SaveAborted(CheckpointlessError, OSError):
     """The writer was told to stop (closing, or a save that overran its deadline)."""
 
 

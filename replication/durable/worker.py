@@ -64,6 +64,7 @@ from replication.durable.saver import (
     SaveResult,
     SaverSettings,
 )
+from replication.errors import CheckpointlessError
 from replication.forked import ForkedProcess
 
 log = logging.getLogger("checkpointless.durable")
@@ -73,7 +74,7 @@ HELPER_NICE = 10  # the helper yields the CPU to training when both want it
 READY_TIMEOUT_S = 300.0
 
 
-class HelperError(RuntimeError):
+class HelperError(CheckpointlessError, RuntimeError):
     """The helper process could not be started or died."""
 
 

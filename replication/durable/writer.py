@@ -49,7 +49,6 @@ staged) in :mod:`~replication.durable.runner`, and the staging copy in
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from multiprocessing import shared_memory
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from replication import contract
 from replication.config import PersistenceConfig
 from replication.durable.history import HistoryRow, HistoryWriter
 from replication.durable.runner import SaveRunner
@@ -107,7 +107,7 @@ class DurableWriter:
     ) -> None:
         """``run_id`` names the job incarnation: a manifest is written only over done
         files that share it, so leftovers of a crashed earlier run never mix in (default:
-        ``CHECKPOINTLESS_RUN_ID``, else ``TORCHELASTIC_RUN_ID``, else ``"default"``).
+        the job's id, :func:`replication.contract.job_id`, else ``"default"``).
         ``isolation``: ``"process"`` (a helper process does the I/O) or ``"thread"``;
         ``staging=False`` implies ``"thread"``. ``zero_copy``: read submitted buffers in
         place (from shared memory in the helper), holding them until the save is over,
@@ -120,8 +120,7 @@ class DurableWriter:
             raise ValueError(f"isolation must be 'process' or 'thread', got {isolation!r}")
         self.config = config
         self.rank, self.world_size = rank, world_size
-        self.run_id = run_id or os.environ.get("CHECKPOINTLESS_RUN_ID") or os.environ.get(
-            "TORCHELASTIC_RUN_ID") or "default"
+        self.run_id = run_id or contract.job_id() or "default"
         self.staging = staging
         self.zero_copy = zero_copy
         self._isolation = isolation if staging else "thread"

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
-from recovery import protocol
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning import loop_state
 from recovery.integrations.lightning.checkpoint_io import (
@@ -52,6 +51,7 @@ from recovery.integrations.lightning.launcher import CheckpointlessLauncher
 from recovery.integrations.lightning.logger_gate import LoggerGate
 from recovery.integrations.lightning.state import MODES_KEY, LightningState
 from recovery.recipe import CheckpointlessConfig, load_config, worker_config
+from replication import contract
 
 log = logging.getLogger("checkpointless.lightning")
 
@@ -95,7 +95,7 @@ class CheckpointlessStrategy(DDPStrategy):
         self._given_settings = settings
         self._settings: CheckpointlessConfig | None = None
         self.deterministic = deterministic
-        if protocol.ENV_CONFIG not in os.environ and settings is None and (recipe or overrides):
+        if contract.ENV_CONFIG not in os.environ and settings is None and (recipe or overrides):
             self._given_settings = load_config(recipe, self._overrides)  # fail early
         self.lstate = LightningState()
         self.session: Any = None  # recovery.runtime.Checkpointless, once the job is joined
@@ -119,7 +119,7 @@ class CheckpointlessStrategy(DDPStrategy):
     def settings(self) -> CheckpointlessConfig:
         """The launcher's configuration under ``checkpointless run``, else the strategy's."""
         if self._settings is None:
-            env_json = os.environ.get(protocol.ENV_CONFIG)
+            env_json = os.environ.get(contract.ENV_CONFIG)
             if env_json:
                 if self._recipe or self._overrides or self._given_settings is not None:
                     log.warning("running under checkpointless run: the job's configuration "

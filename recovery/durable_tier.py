@@ -1,0 +1,164 @@
+"""The worker runtime's use of the durable tier: persist committed steps, restore one.
+
+The durable tier is the fallback when every in-memory copy of some state is lost, and
+the way a new job resumes an old one. Its storage format, writer and reader live in
+``replication.durable``; this module is the runtime's side of it: *which* committed
+snapshot to hand the writer and when (never waiting on I/O), and how every rank agrees
+on one checkpoint and restores it (:mod:`recovery.durable_restore`). It was the
+runtime's own "durable tier" section; it is a module of its own so that the runtime
+only orchestrates.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from recovery import protocol
+from recovery.durable_restore import agree_and_read
+from recovery.errors import RecoveryImpossible
+from recovery.events import Event
+from recovery.recipe import CheckpointlessConfig
+from recovery.rendezvous import RecoveryPlan
+from replication.replicator import Replicator
+from replication.snapshot import restore_from_buffer
+from replication.state import TrainingState
+
+
+class DurableTier:
+    """One rank's durable writer (when ``persistence.path`` and a schedule are set) and
+    its restores. ``committed_step()`` reads the job's committed step."""
+
+    def __init__(
+        self, settings: CheckpointlessConfig, *, rank: int, world_size: int, job_id: str,
+        store: dist.Store, log: protocol.EventLog, state: TrainingState,
+        committed_step: Callable[[], int],
+    ) -> None:
+        self.settings = settings
+        self.rank, self.world_size = rank, world_size
+        self.store, self.log, self.state = store, log, state
+        self._committed_step = committed_step
+        self.writer = self._make_writer(job_id)
+        self.ticket: Any = None  # the last save handed to the writer
+        self.persisted_step = -1
+        self.bytes_read = 0  # by the last restore
+
+    def _make_writer(self, job_id: str) -> Any:
+        p = self.settings.persistence
+        if not p.path or not (p.every_n_steps or p.interval_s):
+            return None
+        from replication.durable import DurableWriter
+
+        # zero_copy: the helper process persists straight from the snapshot slot (the
+        # engine then keeps three slots in shared memory): no copy in this process.
+        return DurableWriter(p, self.rank, self.world_size, run_id=job_id, zero_copy=True)
+
+    @property
+    def staging(self) -> bool:
+        return bool(self.writer is not None and self.writer.staging)
+
+    @property
+    def zero_copy(self) -> bool:
+        return bool(self.writer is not None and self.writer.zero_copy)
+
+    # -- persisting ------------------------------------------------------------------
+    def persist_committed(self, replicator: Replicator) -> None:
+        """Hand the newest committed snapshot to the writer (never waits on I/O).
+
+        ``maybe_snapshot`` has just waited for the previous round, so its step is
+        committed and its slot protected until the capture after next.
+        """
+        if self.writer is None:
+            return
+        last = replicator.last_round
+        # Step 0 is the script's own initial state (or a checkpoint just restored): not
+        # worth the helper's start-up time, which would make the first real save skip.
+        if last is None or last.step <= max(self.persisted_step, 0):
+            return
+        if not self.writer.should_persist(last.step):
+            return
+        slot = replicator.own_snapshot(last.step)
+        assert slot.buffer is not None
+        ticket = self.ticket = self.writer.submit(slot.meta(), slot.buffer)
+        self.persisted_step = last.step
+        writer, patience = self.writer, self.settings.replication.timeout_s
+
+        def wait() -> None:  # a capture needs this very slot back
+            if not ticket.wait_released(patience):
+                writer.cancel(ticket)  # the previous checkpoint stays valid
+                ticket.wait_released()
+
+        # The slot must not be captured into until the writer is done reading it.
+        replicator.hold_slot(slot, wait)
+        ticket.released.add_done_callback(lambda _f: replicator.unhold_slot(slot, wait))
+
+    def finish(self, replicator: Replicator) -> None:
+        """The final step, now committed, is always persisted: a save still in flight
+        finishes first, or the writer would skip it as "cannot keep up"."""
+        if self.writer is None:
+            return
+        self.writer.flush(self.settings.replication.timeout_s)
+        self.persist_committed(replicator)
+        self.writer.close()
+
+    # -- restoring -------------------------------------------------------------------
+    def maybe_resume(self, replicator: Replicator) -> int | None:
+        """A new job whose durable path holds checkpoints resumes from the newest valid
+        one (``persistence.resume: auto``); returns its step, or ``None``."""
+        p = self.settings.persistence
+        if not p.path or p.resume != "auto":
+            return None
+        return self.restore(replicator, 0, Event.DURABLE_RESUME,
+                            f"persistence.resume=auto and {p.path!r} holds checkpoints")
+
+    def fall_back(self, replicator: Replicator, plan: RecoveryPlan,
+                  reason: str) -> tuple[RecoveryPlan, int]:
+        """In-memory recovery is impossible: every rank restores the newest durable
+        checkpoint that all of them can verify (see :mod:`recovery.durable_restore`).
+        Returns the plan to that step and the bytes read."""
+        path = self.settings.persistence.path
+        if not path:
+            raise RecoveryImpossible(f"{reason}; persistence.path is not set, so there is no "
+                                     "durable checkpoint to fall back to")
+        step = self.restore(replicator, plan.gen, Event.DURABLE_FALLBACK, reason)
+        if step is None:
+            raise RecoveryImpossible(f"{reason}; and the durable tier at {path!r} holds no "
+                                     "complete checkpoint yet")
+        return RecoveryPlan(plan.gen, step, plan.records, {}), self.bytes_read
+
+    def restore(self, replicator: Replicator, gen: int, event: Event,
+                reason: str) -> int | None:
+        """Agree on a checkpoint, restore it, and make its step the committed one.
+
+        Returns the restored step, or ``None`` when storage holds no checkpoint. The
+        restored state is snapshotted and replicated at once (as step 0 is at start),
+        so the next failure can again be recovered from memory.
+        """
+        committed_before = self._committed_step()
+        got = agree_and_read(self.store, gen, self.rank, self.world_size,
+                             self.settings.persistence,
+                             lambda: protocol.current_generation(self.store))
+        if got is None:
+            return None
+        choice, meta, buffer = got
+        restore_from_buffer(self.state, buffer, meta)
+        self.bytes_read = buffer.numel()
+        del buffer
+        replicator.snapshot(choice.step)
+        replicator.wait()
+        self.persisted_step = choice.step
+        lost = max(0, committed_before - choice.step) if committed_before >= 0 else 0
+        self.log.emit(event, rank=self.rank, gen=gen, step=choice.step, path=choice.url,
+                      reason=reason, skipped=choice.skipped, committed_before=committed_before,
+                      steps_lost=lost, read_s=round(choice.read_s, 4))
+        if self.rank == 0:
+            skipped = "".join(f"; skipped step {s['step']} ({s['reason']})"
+                              for s in choice.skipped)
+            what = ("resuming" if event == Event.DURABLE_RESUME
+                    else "falling back to durable storage")
+            print(f"[checkpointless] {what}: {reason}; every rank restored step {choice.step} "
+                  f"from {choice.url}{skipped}", file=sys.stderr, flush=True)
+        return choice.step
