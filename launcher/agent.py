@@ -144,7 +144,8 @@ class Agent(NodeLossHandling):
         except (job_store.StoreUnavailable, JoinError) as exc:
             return self._stop() if self._signal is not None else self._failed(str(exc))
         except dist.DistError as exc:
-            where = f"{self.args.host}:{self.args.port}"
+            where = (str(self.job_store.address) if self.job_store is not None
+                     else f"{self.args.host}:{self.args.port}")
             return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})")
         except TimeoutError as exc:  # a declarer died half-way through declare_failure
             with contextlib.suppress(dist.DistError, RuntimeError):
@@ -177,6 +178,7 @@ class Agent(NodeLossHandling):
             node=self.node, run_id=a.rdzv_id, max_restarts=self.rcfg.max_restarts,
             run_dir=self.run_dir, config_json=config_to_json(self.cfg),
             job_key=self.job_store.signer.key_hex(), gloo_ifname=self.job_store.plan.gloo_ifname,
+            store_address=str(self.job_store.address),
         )
         self.base_env = self.job.base()
         self.spares = SparePool(a.spares, self.base_env, self._emit, self._start_zygote())
@@ -188,15 +190,20 @@ class Agent(NodeLossHandling):
             )
         self.group = None if a.is_spare_node else self.node
         membership.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
-        self.heartbeat = liveness.Heartbeat(a.host, port, self.node,
-                                            self.rcfg.heartbeat_interval_s,
-                                            group_of=lambda: self.group)
+        etcd = self.job_store.address.is_etcd
+        self.heartbeat = liveness.Heartbeat(
+            self.job_store.address, self.node, self.rcfg.heartbeat_interval_s,
+            group_of=lambda: self.group,
+            lease_ttl_s=self.rcfg.heartbeat_timeout_s if etcd else 0.0)
+        if etcd:  # the lease's expiry detects a lost node; see launcher.liveness
+            self.watch.lease_confirm_s = 2 * self.rcfg.heartbeat_interval_s
         self.heartbeat.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run
-        self._emit(Event.AGENT_START, pid=os.getpid(), role=role, store=f"{a.host}:{port}",
+        where = str(self.job_store.address)
+        self._emit(Event.AGENT_START, pid=os.getpid(), role=role, store=where,
                    world_size=a.world_size, cwd=os.getcwd(), config=recorded_config(self.cfg))
-        self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, "
+        self._log(f"joined job {a.rdzv_id!r} ({role}, store {where}, "
                   f"run dir {self.run_dir})")
         self._log(f"listening on {self.job_store.plan.describe}")
 

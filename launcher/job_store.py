@@ -10,8 +10,11 @@ writes anything (:func:`check_job_key`).
 Connecting is the delicate part: node 0 may not be up yet, something else may listen
 on the port, and a signal must still stop a waiting agent (:func:`connect_store`).
 
-Limitation (shared with torchrun's c10d backend): the store lives in node 0's agent, so
-losing node 0 ends the job; every agent then reports a lost store instead of hanging.
+With ``--rdzv-backend c10d`` (the default) the store lives in node 0's agent, so losing
+node 0 ends the job (as with torchrun's c10d backend); every agent then reports a lost
+store instead of hanging. With ``--rdzv-backend etcd`` an etcd cluster holds the
+records (:mod:`recovery.etcd_store`): no agent hosts anything, the first agent to
+arrive publishes the key check, and any node may be lost.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch.distributed as dist
 from launcher import bind as bind_mod
 from launcher import job_secret
 from launcher.run_args import RunArgs
-from recovery import protocol
+from recovery import protocol, store_address
+from recovery.store_address import StoreAddress
 from replication import signing
 from replication.errors import CheckpointlessError
 from replication.signing import Signer
@@ -82,10 +86,11 @@ def host_store(host: str, port: int, address: str | None = None) -> dist.TCPStor
 class JobStore:
     """The job store as this agent reached it, with what it authenticates with."""
 
-    store: dist.TCPStore
+    store: dist.Store
     port: int
     signer: Signer
     plan: bind_mod.BindPlan
+    address: StoreAddress  # what workers and this agent's other threads connect to
     shared_secret_file: str | None = None  # left for this machine's other agents
 
     def release(self) -> None:
@@ -108,6 +113,8 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
         args.bind, args.host, args.port, args.hosts_store,
         multi_node=args.nnodes > 1 or args.node_rank > 0)
     secret, shared = args.job_secret, None
+    if args.uses_etcd:
+        return _open_etcd(args, secret, plan, should_stop, say)
     if args.hosts_store:
         if secret is None:
             secret = job_secret.generate()
@@ -115,7 +122,8 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
                 shared = job_secret.share_locally(run_dir, secret)
         signing.install(job_secret.signer_for(secret, args.rdzv_id))
         store = host_store(args.host, args.port, plan.address)
-        return JobStore(store, store.port, signing.process_signer(), plan, shared)
+        return JobStore(store, store.port, signing.process_signer(), plan,
+                        store_address.tcp(args.host, store.port), shared)
     store = connect_store(args.host, args.port, args.join_timeout_s, should_stop, say)
     if secret is None:
         try:
@@ -124,7 +132,40 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
             raise StoreUnavailable(str(exc)) from None
     signing.install(job_secret.signer_for(secret, args.rdzv_id))
     check_job_key(store, f"{args.host}:{args.port}")
-    return JobStore(store, args.port, signing.process_signer(), plan)
+    return JobStore(store, args.port, signing.process_signer(), plan,
+                    store_address.tcp(args.host, args.port))
+
+
+def _open_etcd(args: RunArgs, secret: bytes | None, plan: bind_mod.BindPlan,
+               should_stop: Callable[[], bool], say: Callable[[str], None]) -> JobStore:
+    """Join the job's records in etcd: every agent alike (no host). The first to arrive
+    publishes the sealed key check (a compare-and-set, so exactly one does); every
+    agent then checks its key against it before it writes anything else."""
+    assert secret is not None, "run_args.prepare requires a secret with etcd"
+    signing.install(job_secret.signer_for(secret, args.rdzv_id))
+    addr = store_address.etcd(list(args.etcd_endpoints), args.rdzv_id)
+    where = f"etcd {addr.endpoint_text()}"
+    start = time.monotonic()
+    deadline, next_report = start + args.join_timeout_s, start + WAIT_REPORT_S
+    while True:
+        try:
+            store = store_address.connect(addr, OP_TIMEOUT_S)
+            protocol.publish_keycheck_once(store)
+            break
+        except (CheckpointlessError, dist.DistError, RuntimeError, OSError) as exc:
+            now = time.monotonic()
+            if should_stop():
+                raise StoreUnavailable("interrupted while waiting for the job store") from None
+            if now > deadline:
+                raise StoreUnavailable(f"cannot reach the job store at {where} within "
+                                       f"{args.join_timeout_s:.0f}s ({brief(exc)})") from None
+            if now >= next_report:
+                say(f"waiting for the job store at {where}, {now - start:.0f}s of "
+                    f"{args.join_timeout_s:.0f}s ({brief(exc)})")
+                next_report = now + WAIT_REPORT_S
+            time.sleep(0.5)
+    check_job_key(store, where)
+    return JobStore(store, 0, signing.process_signer(), plan, addr)
 
 
 #: How often a joining agent says it is still waiting for the job store.

@@ -2,6 +2,11 @@
 watch for every rank having finished.
 
 ``agent_heartbeat_key(n)`` is a counter that agent ``n``'s heartbeat thread bumps.
+With an etcd job store the thread also holds an etcd lease whose time-to-live is the
+heartbeat timeout and keeps a sealed "alive" record bound to it
+(``agent_lease_key(n)``): etcd deletes the record when the agent stops renewing, on the
+cluster's clock, and a watcher then needs only one quick confirmation that the counter
+stopped too (:class:`PeerWatch`), instead of a whole timeout of silence of its own.
 Observers judge liveness by *change* of the value, timed on their own monotonic clock,
 so no two machines' clocks are ever compared. Heartbeats are sealed sequence numbers
 (:mod:`recovery.auth`), so a forger can neither fake a beat for a dead node nor make a
@@ -23,7 +28,9 @@ import torch.distributed as dist
 
 from launcher.job_store import OP_TIMEOUT_S, StoreUnavailable, connect_store
 from launcher.membership import reassert_owner, registered_nodes
-from recovery import auth, protocol
+from recovery import auth, protocol, store_address
+from recovery.store_address import StoreAddress
+from replication import signing
 
 #: A beat later than this many intervals (plus a second) is reported on the console.
 HEARTBEAT_LATE_FACTOR = 2.0
@@ -38,19 +45,25 @@ class Heartbeat(threading.Thread):
     forger replaced them (:func:`reassert_owner`, ``protocol.reassert_generations``).
     """
 
-    def __init__(self, host: str, port: int, node: int, interval_s: float,
-                 group_of: Callable[[], int | None] = lambda: None) -> None:
+    def __init__(self, address: StoreAddress, node: int, interval_s: float,
+                 group_of: Callable[[], int | None] = lambda: None,
+                 lease_ttl_s: float = 0.0) -> None:
         super().__init__(name=f"checkpointless-heartbeat-{node}", daemon=True)
-        self._addr = (host, port)
+        self._addr = address
         self._node = node
         self._key = protocol.agent_heartbeat_key(node)
         self._interval = interval_s
         self._group_of = group_of
+        self._lease_ttl = lease_ttl_s  # > 0 with etcd: hold a lease (see the module doc)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         try:
-            store = connect_store(*self._addr, timeout_s=OP_TIMEOUT_S)
+            if self._addr.is_etcd:
+                store = store_address.connect(self._addr, OP_TIMEOUT_S)
+            else:
+                store = connect_store(*self._addr.endpoints[0], timeout_s=OP_TIMEOUT_S)
+            lease = self._grant(store)
             seq = 0
             last = time.monotonic()
             while not self._stop_event.wait(self._interval):
@@ -65,12 +78,39 @@ class Heartbeat(threading.Thread):
                 last = now
                 seq += 1
                 auth.put(store, self._key, str(seq))
+                if lease is not None:
+                    lease = self._renew(store, lease)
                 group = self._group_of()
                 if group is not None:
                     reassert_owner(store, group, self._node)
                 protocol.reassert_generations(store)
         except (StoreUnavailable, dist.DistError, RuntimeError):
             return  # the main loop notices a dead store on its own next operation
+
+    def _grant(self, store: dist.Store) -> int | None:
+        if self._lease_ttl <= 0:
+            return None
+        lease = store.grant_lease(max(1, round(self._lease_ttl)))  # type: ignore[attr-defined]
+        self._put_alive(store, lease)
+        return lease
+
+    def _renew(self, store: dist.Store, lease: int) -> int:
+        """Keep the lease alive and put the record back (a forger may have deleted it);
+        a lease that expired meanwhile (this agent was stopped for a whole TTL, so its
+        peers may already have declared it lost) is replaced by a new one."""
+        from recovery.etcd_store import EtcdLeaseExpired
+
+        try:
+            store.keepalive(lease)  # type: ignore[attr-defined]
+        except EtcdLeaseExpired:
+            return self._grant(store) or lease
+        self._put_alive(store, lease)
+        return lease
+
+    def _put_alive(self, store: dist.Store, lease: int) -> None:
+        key = protocol.agent_lease_key(self._node)
+        sealed = signing.process_signer().seal(key, str(lease))
+        store.set_with_lease(key, sealed, lease)  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         """Stop beating; wait (briefly) for the thread to close its store connection."""
@@ -100,6 +140,10 @@ class PeerWatch:
 
     node: int
     timeout_s: float
+    #: With etcd leases: a peer whose lease-bound "alive" record is gone is lost once its
+    #: counter has also not grown for this long (a forged delete cannot pass for a loss:
+    #: a live peer's counter keeps growing). 0: no leases, the timeout alone decides.
+    lease_confirm_s: float = 0.0
     peers: dict[int, _Peer] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
     last_check: float | None = None
@@ -123,16 +167,23 @@ class PeerWatch:
         if not nodes:
             return []
         keys = [protocol.agent_heartbeat_key(n) for n in nodes]
+        alive = [protocol.agent_lease_key(n) for n in nodes] if self.lease_confirm_s else []
+        values = store.multi_get(keys)
+        # Lease-bound records vanish on expiry: read without waiting for them.
+        present = store.read_now(alive) if alive else []  # type: ignore[attr-defined]
         newly = []
-        for n, key, raw in zip(nodes, keys, store.multi_get(keys)):
-            payload = auth.open_value(key, raw)
+        for i, (n, key) in enumerate(zip(nodes, keys)):
+            payload = auth.open_value(key, values[i])
             seq = int(payload) if payload is not None else None
             peer = self.peers.get(n)
             if peer is None:
                 self.peers[n] = _Peer(-1 if seq is None else seq, now, gen)
             elif seq is not None and seq > peer.seq:
                 peer.seq, peer.changed_at, peer.gen_alive = seq, now, gen
-            elif now - peer.changed_at > self.timeout_s:
+            elif now - peer.changed_at > self.timeout_s or (
+                alive and peer.seq >= 0 and present[i] is None
+                and now - peer.changed_at > self.lease_confirm_s
+            ):
                 self.lost.add(n)
                 newly.append(n)
         return newly

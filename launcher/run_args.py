@@ -31,7 +31,8 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_RDZV_PORT = 29400  # torchrun's default when --rdzv-endpoint has no port
 DEFAULT_JOIN_TIMEOUT_S = 600.0  # torchrun's default rendezvous join timeout
-SUPPORTED_BACKENDS = ("c10d", "static")
+SUPPORTED_BACKENDS = ("c10d", "static", "etcd")
+DEFAULT_ETCD_PORT = 2379  # etcd's client port, for --rdzv-endpoint members without one
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -69,6 +70,10 @@ class RunArgs:
     job_secret: bytes | None = field(default=None, repr=False, compare=False)
     #: Set by :func:`prepare`: where this node listens.
     bind_plan: bind_mod.BindPlan | None = None
+    #: "c10d" (node 0's agent hosts a TCPStore; "static" means the same) or "etcd".
+    rdzv_backend: str = "c10d"
+    #: With etcd: every member of the etcd cluster (--rdzv-endpoint H1:P1,H2:P2,...).
+    etcd_endpoints: tuple[tuple[str, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -81,7 +86,12 @@ class RunArgs:
 
     @property
     def hosts_store(self) -> bool:
-        return self.node_rank == 0
+        """Node 0's agent hosts the job's TCPStore; with etcd nobody hosts anything."""
+        return self.node_rank == 0 and self.rdzv_backend != "etcd"
+
+    @property
+    def uses_etcd(self) -> bool:
+        return self.rdzv_backend == "etcd"
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
@@ -104,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "rdzv-id", dest="rdzv_id", default="", metavar="ID",
           help="job id, shared by all nodes (default 'none'; 'standalone' with --standalone)")
     _flag(parser, "rdzv-backend", dest="rdzv_backend", default="static", metavar="NAME",
-          help="rendezvous backend: c10d or static (both mean node 0 hosts a TCPStore)")
+          help="rendezvous backend: c10d or static (node 0 hosts a TCPStore), or etcd "
+          "(an etcd v3 cluster holds the job's records: --rdzv-endpoint H1:2379,H2:2379,...; "
+          "any node may then be lost)")
     _flag(parser, "rdzv-conf", dest="rdzv_conf", default="", metavar="K=V,...",
           help="rendezvous settings; join_timeout=SECONDS is honoured (default 600)")
     _flag(parser, "master-addr", dest="master_addr", default=DEFAULT_MASTER_ADDR,
@@ -176,8 +188,11 @@ def _validate(
     if ns.rdzv_backend not in SUPPORTED_BACKENDS:
         raise UsageError(
             f"--rdzv-backend {ns.rdzv_backend!r} is not supported "
-            f"(use {' or '.join(SUPPORTED_BACKENDS)}: node 0 hosts the job's TCPStore)"
+            "(use c10d, the default, where node 0 hosts the job's TCPStore, or etcd with "
+            "--rdzv-endpoint listing the etcd members)"
         )
+    backend = "etcd" if ns.rdzv_backend == "etcd" else "c10d"
+    etcd_endpoints: tuple[tuple[str, int], ...] = ()
     _non_negative("--node-rank", ns.node_rank)
     _non_negative("--spares", ns.spares)
     if ns.max_restarts is not None:
@@ -188,6 +203,12 @@ def _validate(
         if nnodes != 1 or ns.node_rank != 0:
             raise UsageError("--standalone runs one node: drop --nnodes/--node-rank")
         host, port = "127.0.0.1", 0
+    elif backend == "etcd":
+        if not ns.rdzv_endpoint:
+            raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint listing the etcd "
+                             "members, e.g. h1:2379,h2:2379,h3:2379")
+        etcd_endpoints = parse_etcd_endpoints(ns.rdzv_endpoint)
+        host, port = etcd_endpoints[0]
     elif ns.rdzv_endpoint:
         host, port = parse_endpoint(ns.rdzv_endpoint)
     else:
@@ -220,6 +241,8 @@ def _validate(
         bind=getattr(ns, "bind", None),
         job_secret_file=getattr(ns, "job_secret_file", None),
         fork_spares=getattr(ns, "fork_spares", True),
+        rdzv_backend=backend,
+        etcd_endpoints=etcd_endpoints,
     )
 
 
@@ -234,6 +257,11 @@ def prepare(args: RunArgs, environ: Mapping[str, str] | None = None) -> RunArgs:
     except job_secret.SecretError as exc:
         raise UsageError(str(exc)) from None
     single = args.nnodes == 1 and args.node_rank == 0
+    if secret is None and args.uses_etcd:
+        # No agent hosts anything, so none can hand a generated secret to the others.
+        raise UsageError("--rdzv-backend etcd needs a job secret shared by every node: "
+                         f"set {contract.ENV_JOB_SECRET} or pass --job-secret-file FILE "
+                         f"on every node, e.g. {job_secret.HOW_TO_MAKE_ONE}")
     if secret is None and not single and not bind_mod.is_local_only(args.host):
         raise UsageError(job_secret.missing_secret_message(args.nnodes, args.node_rank,
                                                            args.host))
@@ -243,6 +271,21 @@ def prepare(args: RunArgs, environ: Mapping[str, str] | None = None) -> RunArgs:
     except bind_mod.BindError as exc:
         raise UsageError(str(exc)) from None
     return dataclasses.replace(args, job_secret=secret, bind_plan=plan)
+
+
+def parse_etcd_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """``H1:P1,H2:P2,...``: the etcd members (a member without a port gets 2379)."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise UsageError(f"--rdzv-endpoint {text!r}: an empty member in the list")
+    out = []
+    for item in items:
+        has_port = "]:" in item if item.startswith("[") else item.count(":") == 1
+        host, port = parse_endpoint(item)
+        out.append((host, port if has_port else DEFAULT_ETCD_PORT))
+    if len(set(out)) != len(out):
+        raise UsageError(f"--rdzv-endpoint {text!r}: a member is listed twice")
+    return tuple(out)
 
 
 def parse_nnodes(text: str) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from recovery.recipe import RESERVED_ENV_PREFIX
+from recovery.store_address import ETCD_SCHEME
 from replication import contract
 from replication.contract import ENV_JOB_SECRET
 
@@ -49,6 +50,9 @@ class JobEnv:
     config_json: str
     job_key: str = field(default="", repr=False)  # hex; never printed
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME unless the user set one
+    #: The job store as workers reach it (``recovery.store_address``); "" means the
+    #: TCPStore at store_host:store_port.
+    store_address: str = ""
 
     @property
     def world_size(self) -> int:
@@ -75,8 +79,9 @@ class JobEnv:
                 "MASTER_PORT": str(self.store_port),
                 "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
                 "TORCHELASTIC_RUN_ID": self.run_id,
-                "TORCHELASTIC_USE_AGENT_STORE": str(True),
-                contract.ENV_STORE: f"{self.store_host}:{self.store_port}",
+                # torch's env:// may reuse the agent's store only when it is a TCPStore.
+                "TORCHELASTIC_USE_AGENT_STORE": str(not self.store_address.startswith(ETCD_SCHEME)),
+                contract.ENV_STORE: self.store_address or f"{self.store_host}:{self.store_port}",
                 contract.ENV_NODE: str(self.node),
                 contract.ENV_RUN_DIR: self.run_dir,
                 contract.ENV_JOB_ID: self.run_id,

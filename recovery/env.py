@@ -22,7 +22,7 @@ class WorkerEnv:
     local_rank: int
     local_world_size: int
     node: int
-    store_addr: str | None  # "host:port", or None for a standalone single process
+    store_addr: str | None  # recovery.store_address, or None for a standalone process
     run_dir: str
     heartbeat_file: str | None
     job_id: str
@@ -35,15 +35,14 @@ class WorkerEnv:
 
     def connect_store(self) -> Any:
         """A client of the job store; an in-process store when not launched."""
-        import datetime
 
         import torch.distributed as dist
 
         if not self.launched:
             return dist.HashStore()
-        host, port = self.store_addr.rsplit(":", 1)  # type: ignore[union-attr]
-        return dist.TCPStore(host, int(port), is_master=False,
-                             timeout=datetime.timedelta(seconds=60))
+        from recovery import store_address
+
+        return store_address.connect(self.store_addr, 60.0)  # type: ignore[arg-type]
 
     @staticmethod
     def from_environ(environ: dict[str, str] | None = None) -> WorkerEnv:

@@ -66,6 +66,12 @@ def agent_heartbeat_key(node: int) -> str:
     return f"{PREFIX}/agent/{node}/hb"
 
 
+def agent_lease_key(node: int) -> str:
+    """With etcd: agent ``node``'s sealed "alive" record, bound to its lease, so etcd
+    itself deletes it when the agent stops renewing (``launcher.liveness``)."""
+    return f"{PREFIX}/agent/{node}/alive"
+
+
 def agent_info_key(node: int) -> str:
     return f"{PREFIX}/agent/{node}/info"
 
@@ -299,6 +305,14 @@ _KEYCHECK_TEXT = "checkpointless job key check"
 
 def publish_keycheck(store: dist.Store) -> None:
     auth.put(store, KEYCHECK_KEY, _KEYCHECK_TEXT)
+
+
+def publish_keycheck_once(store: dist.Store) -> None:
+    """Publish the key check unless some agent already did (a store no agent hosts:
+    the first to arrive publishes; a later one must not replace it with its own seal,
+    or an agent with a wrong secret would make itself right)."""
+    sealed = signing.process_signer().seal(KEYCHECK_KEY, _KEYCHECK_TEXT.encode())
+    store.compare_set(KEYCHECK_KEY, "", sealed)
 
 
 def keycheck(store: dist.Store) -> bool | None:

@@ -116,10 +116,13 @@ class JobResult:
 def agent_command(
     *, node_rank: int, nnodes: int, nproc: int, run_dir: Path, endpoint: str | None,
     rdzv_id: str, spares: int, overrides: tuple[str, ...], script: str,
-    script_args: tuple[str, ...],
+    script_args: tuple[str, ...], etcd: str | None = None,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "launcher.cli", "run", "--nproc-per-node", str(nproc)]
-    if endpoint is None:
+    if etcd is not None:
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd, "--rdzv-id", rdzv_id]
+    elif endpoint is None:
         cmd += ["--standalone"]
     else:
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
@@ -130,11 +133,17 @@ def agent_command(
     return [*cmd, *overrides, script, *script_args]
 
 
-def start_agent(cmd: list[str], node: int, logs: Path) -> Agent:
+#: The job secret the etcd tests share between their agents (a test value, not a secret).
+TEST_JOB_SECRET = "0123456789abcdef" * 4
+
+
+def start_agent(cmd: list[str], node: int, logs: Path,
+                extra_env: dict[str, str] | None = None) -> Agent:
     logs.mkdir(parents=True, exist_ok=True)
     out, err = logs / f"agent{node}.out", logs / f"agent{node}.err"
+    env = {**clean_env(), **(extra_env or {})}
     with open(out, "wb") as fo, open(err, "wb") as fe:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                 stdout=fo, stderr=fe, start_new_session=True)
     return Agent(node, proc, out, err)
 
@@ -151,6 +160,7 @@ def run_job(
     script_args: tuple[str, ...] = TRAIN_ARGS,
     timeout_s: float = 90.0,
     during: Callable[[Path], None] | None = None,
+    etcd: str | None = None,
 ) -> JobResult:
     """Run one job to completion (or ``timeout_s``), then kill whatever is left.
 
@@ -159,12 +169,14 @@ def run_job(
     (node 0 hosts the store, node ranks >= nnodes are spare nodes). The job's result is
     the exit codes of the agents that were not killed by the job itself.
     ``during(run_dir)``, if given, runs once every agent has started (e.g. to kill a
-    worker when some condition holds); an exception from it stops the job.
+    worker when some condition holds); an exception from it stops the job. ``etcd``
+    (``H1:P1,...``) runs the job with ``--rdzv-backend etcd`` on those members: no node
+    hosts anything, and the agents share :data:`TEST_JOB_SECRET`.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = tuple(overrides)
-    standalone = nnodes == 1 and spare_nodes == 0
+    standalone = nnodes == 1 and spare_nodes == 0 and etcd is None
     endpoint = None if standalone else f"127.0.0.1:{free_port()}"
     rdzv_id = f"t{os.getpid()}-{time.monotonic_ns()}"
     agents: dict[int, Agent] = {}
@@ -175,8 +187,9 @@ def run_job(
             cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=nproc, run_dir=run_dir,
                                 endpoint=endpoint, rdzv_id=rdzv_id, spares=spares,
                                 overrides=overrides, script=str(script),
-                                script_args=script_args)
-            agents[node] = start_agent(cmd, node, run_dir / "logs")
+                                script_args=script_args, etcd=etcd)
+            secret = {"CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET} if etcd else None
+            agents[node] = start_agent(cmd, node, run_dir / "logs", secret)
         if during is not None:
             during(run_dir)
         deadline = t0 + timeout_s

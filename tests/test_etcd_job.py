@@ -1,0 +1,117 @@
+"""Jobs whose store is a real etcd cluster (``--rdzv-backend etcd``): no node is special.
+
+2 nodes x 2 workers plus a spare node, as in ``tests/test_recovery_nodes.py``, but the
+agents keep every record in etcd members started by the test on loopback
+(``tests/etcd_cluster.py``). Node 0 hosts nothing, so losing it is an ordinary node
+loss: the spare node takes its ranks over and the job ends bit-identical to a
+failure-free run of the same job.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from tests.etcd_cluster import EtcdCluster, require_etcd
+
+from tests.recovery_harness import (
+    REPO,
+    TEST_JOB_SECRET,
+    assert_recovered,
+    assert_same_final,
+    assert_succeeded,
+    clean_env,
+    run_job,
+)
+
+pytestmark = [pytest.mark.timeout(300), require_etcd]
+
+FAST_DETECTION = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with EtcdCluster(tmp_path_factory.mktemp("etcd"), members=3) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cluster):
+    """The failure-free 2-node run on etcd that every test compares with."""
+    job = run_job(tmp_path_factory.mktemp("reference"), nnodes=2, timeout_s=150,
+                  etcd=cluster.endpoints)
+    assert_succeeded(job)
+    assert not job.events("recovery"), "the reference run recovered from something"
+    assert sorted(job.finals()) == [0, 1, 2, 3]
+    return job
+
+
+@pytest.mark.slow
+def test_node_0_lost_spare_node_takes_over(tmp_path, cluster, reference):
+    """Node 0's agent and both its workers are SIGKILLed: with etcd it hosted nothing,
+    so the spare node takes ranks 0 and 1 over and the job ends bit-identical."""
+    job = run_job(tmp_path / "run", nnodes=2, spare_nodes=1, timeout_s=150,
+                  etcd=cluster.endpoints,
+                  overrides=["recovery.fault=0:8:snapshot:node", *FAST_DETECTION])
+    assert job.returncodes[0] == -9, f"node 0's agent should be SIGKILLed: {job.returncodes}"
+    assert_succeeded(job, except_nodes=(0,))
+    assert_same_final(reference, job)
+    assert_recovered(job)
+    lost = job.events("node_lost")
+    assert lost and {e["lost_node"] for e in lost} == {0}, lost
+    takeover = job.events("node_takeover")
+    assert [(e["node"], e["group"]) for e in takeover] == [(2, 0)], takeover
+    started = {e["rank"] for e in job.events("worker_start") if e["node"] == 2}
+    assert started == {0, 1}, "the spare node must run node 0's ranks"
+
+
+def test_an_etcd_member_lost_mid_run_changes_nothing(tmp_path, cluster, reference):
+    """One of three members is stopped while the job trains: the quorum holds, the
+    clients fail over, and the job ends bit-identical with no failure at all."""
+    victim = cluster.members - 1
+
+    def stop_one(run_dir):
+        def body() -> None:
+            time.sleep(4.0)
+            cluster.stop_member(victim)
+        threading.Thread(target=body, daemon=True).start()
+
+    try:
+        job = run_job(tmp_path / "run", nnodes=2, timeout_s=150, etcd=cluster.endpoints,
+                      during=stop_one)
+    finally:
+        cluster.start_member(victim)
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    assert not job.events("failure_declared"), job.events("failure_declared")
+
+
+def test_etcd_unreachable_at_start_is_one_clear_line(tmp_path):
+    """Nothing listens at the endpoints: the agent says which, within its join timeout."""
+    from launcher.local_cluster import free_port
+
+    dead = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--nnodes", "2", "--node-rank", "1",
+           "--rdzv-backend", "etcd", "--rdzv-endpoint", dead, "--rdzv-id", "unreachable",
+           "--rdzv-conf", "join_timeout=4", "--run-dir", str(tmp_path), "-m", "json.tool"]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**clean_env(), "CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET})
+    took = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "cannot reach the job store at etcd " in out.stderr and dead in out.stderr, \
+        out.stderr[-2000:]
+    assert took < 30, took
+
+
+def test_etcd_without_a_job_secret_is_refused_at_once(tmp_path):
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--nnodes", "2", "--node-rank", "0",
+           "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-id", "x",
+           "--run-dir", str(tmp_path), "-m", "json.tool"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=clean_env())
+    assert out.returncode == 2
+    assert "--rdzv-backend etcd needs a job secret" in out.stderr, out.stderr
