@@ -73,7 +73,7 @@ class EtcdCluster:
                 log = open(self.root / f"{self.names[j]}.log", "ab")  # noqa: SIM115
                 self.procs[j] = subprocess.Popen(self._argv(j), stdout=log, stderr=log)
                 log.close()
-        self.wait_healthy()
+        self.wait_healthy(i)
 
     def stop(self, i: int) -> None:
         """Kill member ``i`` (SIGKILL: a crash, not a clean leave)."""
@@ -83,13 +83,14 @@ class EtcdCluster:
             proc.wait()
             self.procs[i] = None
 
-    def wait_healthy(self) -> None:
-        """Until some running member serves a linearizable read (the cluster has quorum)."""
+    def wait_healthy(self, member: int | None = None) -> None:
+        """Until ``member`` (when None: any running member) serves a linearizable read,
+        which needs the cluster to have quorum and that member to have joined it."""
         deadline = time.monotonic() + self.startup_timeout
         last = ""
         while time.monotonic() < deadline:
             for j, proc in enumerate(self.procs):
-                if proc is None:
+                if proc is None or member not in (None, j):
                     continue
                 if proc.poll() is not None:
                     log = (self.root / f"{self.names[j]}.log").read_text()
