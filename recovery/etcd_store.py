@@ -100,7 +100,7 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
-class _Retry(Exception):
+class _Retry(CheckpointlessError):
     """This member cannot answer now; try the next one."""
 
 
