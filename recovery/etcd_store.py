@@ -266,7 +266,8 @@ class EtcdStore(dist.Store):
 
     def _await(self, keys: Sequence[str], timeout: datetime.timedelta | float | None) -> None:
         limit = _seconds(self.timeout if timeout is None else timeout)
-        deadline = time.monotonic() + limit
+        # c10d's kNoTimeout (zero) waits for ever, as TCPStore does.
+        deadline = time.monotonic() + limit if limit > 0 else float("inf")
         for key in keys:
             while True:
                 present, rev = self._read_many([key], count_only=True)

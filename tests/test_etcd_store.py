@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from recovery import auth, protocol
-from recovery.etcd_store import EtcdStore, EtcdStoreTimeout, EtcdUnavailable
+from recovery.etcd_store import EtcdLeaseExpired, EtcdStore, EtcdStoreTimeout, EtcdUnavailable
 from replication import signing
 from replication.commit import CommitLedger
 from replication.errors import CheckpointlessError
@@ -126,8 +126,12 @@ def test_leases_expire_and_revoke(store):
     assert not store.check(["alive"])
     short = store.grant_lease(1)
     store.set_with_lease("brief", b"1", short)
-    time.sleep(2.5)
+    deadline = time.monotonic() + 5  # TTL 1 s, expiry checked every 0.5 s
+    while store.check(["brief"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not store.check(["brief"])
+    with pytest.raises(EtcdLeaseExpired):
+        store.keepalive(short)
 
 
 def test_add_from_two_processes(cluster, tmp_path):
