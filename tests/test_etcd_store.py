@@ -180,12 +180,18 @@ def test_failover_when_a_member_dies():
         store = EtcdStore(cluster.endpoints, "/job/", 5 * SECOND, request_timeout=2.0)
         store.set("before", b"1")
         assert store.add("n", 1) == 1
+        waiter, got = store.clone(), []
+        blocked = threading.Thread(target=lambda: got.append(waiter.get("after")))
+        blocked.start()  # watching on member 0 when it dies
+        time.sleep(0.2)
         cluster.stop(0)  # the member this client talks to first
         t0 = time.monotonic()
         assert store.get("before") == b"1"
         assert store.add("n", 1) == 2
         store.set("after", b"2")
         assert time.monotonic() - t0 < 5
+        blocked.join(5)
+        assert got == [b"2"]
         cluster.start(0)
         cluster.stop(1)
         assert EtcdStore(cluster.endpoints, "/job/", SECOND).get("after") == b"2"
