@@ -111,7 +111,8 @@ class EtcdStore(dist.Store):
     members; ``timeout`` is the store's default for ``get``/``wait`` (c10d's
     ``timeout``); ``request_timeout`` bounds one HTTP request to one member;
     ``unavailable_after`` bounds how long every member may fail to answer before a call
-    raises :class:`EtcdUnavailable`.
+    raises :class:`EtcdUnavailable` (at most ``unavailable_after`` plus one round of
+    ``request_timeout`` per member, when members hang instead of refusing).
     """
 
     def __init__(self, endpoints: Sequence[str] | str, prefix: str,
@@ -149,14 +150,23 @@ class EtcdStore(dist.Store):
             conn.close()
 
     def _post_once(self, idx: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        conn = self._conn(idx)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop(idx)
-            raise _Retry(f"{self._endpoints[idx]}: {exc!r}") from exc
+        for fresh in (False, True):
+            conn = self._conn(idx)
+            reused = conn.sock is not None
+            try:
+                conn.request("POST", path, json.dumps(body),
+                             {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError) as exc:
+                self._drop(idx)  # an idle keep-alive connection the member closed:
+                if reused and not fresh:  # the request never reached it, send it again
+                    continue
+                raise _Retry(f"{self._endpoints[idx]}: {exc!r}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(idx)
+                raise _Retry(f"{self._endpoints[idx]}: {exc!r}") from exc
         text = data.decode(errors="replace")
         if resp.status >= 500 or resp.status == 429:
             raise _Retry(f"{self._endpoints[idx]}: HTTP {resp.status} {text[:200]}")
