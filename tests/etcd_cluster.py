@@ -83,6 +83,19 @@ class EtcdCluster:
             proc.wait()
             self.procs[i] = None
 
+    def leader(self) -> int:
+        """The index of the member that leads the cluster now."""
+        for j, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            req = urllib.request.Request(f"http://{self.endpoints[j]}/v3/maintenance/status",
+                                         data=b"{}", method="POST")
+            with urllib.request.urlopen(req, timeout=2.0) as resp:
+                status = json.load(resp)
+            if status.get("leader") == status["header"]["member_id"]:
+                return j
+        raise RuntimeError("no running etcd member leads the cluster")
+
     def wait_healthy(self, member: int | None = None) -> None:
         """Until ``member`` (when None: any running member) serves a linearizable read,
         which needs the cluster to have quorum and that member to have joined it."""
