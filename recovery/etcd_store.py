@@ -356,6 +356,12 @@ class EtcdStore(dist.Store):
                 return [v for v in values if v is not None]
             self._await(missing, None)
 
+    def read_now(self, keys: list[str]) -> list[bytes | None]:
+        """Values of ``keys`` in one transaction, ``None`` for a missing one (never
+        waits: a lease-bound record that expired is simply gone)."""
+        values, _ = self._read_many(list(keys), count_only=False)
+        return values
+
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         ops = [{"request_put": {"key": _b64(self._key(k)), "value": _b64(_as_bytes(v))}}
                for k, v in zip(keys, values)]
