@@ -84,7 +84,10 @@ def test_defaults_like_torchrun():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--rdzv-backend", "etcd", SCRIPT], "not supported"),
+        (["--rdzv-backend", "zookeeper", SCRIPT], "not supported"),
+        (["--rdzv-backend", "etcd", SCRIPT], "needs --rdzv-endpoint listing the etcd"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379,,h2", SCRIPT], "empty member"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1,h1:2379", SCRIPT], "listed twice"),
         (["--nnodes", "two", SCRIPT], "--nnodes"),
         (["--nproc-per-node", "0", SCRIPT], ">= 1"),
         (["--rdzv-endpoint", "h:99999", SCRIPT], "port"),
