@@ -115,6 +115,8 @@ class Agent(NodeLossHandling):
         self.store: dist.Store | None = None
         self.spares: SparePool | None = None
         self.heartbeat: liveness.Heartbeat | None = None
+        self.lease: liveness.StoreLease | None = None
+        self._isolated_s: float | None = None  # set when the lease stopped our workers
         self.job_store: job_store.JobStore | None = None
         self.done = liveness.DoneWatch(args.world_size)
         self._signal: int | None = None
@@ -145,12 +147,20 @@ class Agent(NodeLossHandling):
             return self._stop() if self._signal is not None else self._failed(str(exc))
         except dist.DistError as exc:
             where = f"{self.args.host}:{self.args.port}"
+            if self._isolated_s is not None:  # cut off: the others have taken over
+                self._log(f"the job store at {where} stayed unreachable "
+                          f"({job_store.brief(exc)}); leaving the job fenced "
+                          f"(exit {contract.EXIT_FENCED})")
+                self._stop_local()
+                return contract.EXIT_FENCED
             return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})")
         except TimeoutError as exc:  # a declarer died half-way through declare_failure
             with contextlib.suppress(dist.DistError, RuntimeError):
                 protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
             return self._failed(f"the generation is stuck: {exc}")
         finally:
+            if self.lease is not None:
+                self.lease.stop()
             if self.heartbeat is not None:
                 self.heartbeat.stop()
             self._stop_local()
@@ -192,6 +202,9 @@ class Agent(NodeLossHandling):
                                             self.rcfg.heartbeat_interval_s,
                                             group_of=lambda: self.group)
         self.heartbeat.start()
+        self.lease = liveness.StoreLease(self.heartbeat, self.rcfg.heartbeat_timeout_s,
+                                         self._on_isolated)
+        self.lease.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run
         self._emit(Event.AGENT_START, pid=os.getpid(), role=role, store=f"{a.host}:{port}",
@@ -199,6 +212,23 @@ class Agent(NodeLossHandling):
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {a.host}:{port}, "
                   f"run dir {self.run_dir})")
         self._log(f"listening on {self.job_store.plan.describe}")
+
+    def _on_isolated(self, stuck_s: float) -> None:
+        """Called from the :class:`liveness.StoreLease` thread: this agent's heartbeat
+        has not reached the store for a heartbeat timeout, so the other agents count
+        this node as lost. Its workers are stopped now, while the main loop is still
+        blocked in the store; when the store answers again, the loop finds them gone
+        and either sees the takeover (``_fenced``, exit 4) or, if nobody took the
+        ranks, declares their loss and replaces them like any other failure."""
+        if self._signal is not None:
+            return
+        self._isolated_s = stuck_s
+        ranks = sorted(self.workers)
+        self._emit(Event.NODE_ISOLATED, stuck_s=round(stuck_s, 3), ranks=ranks)
+        self._log(f"cannot reach the job store for {stuck_s:.1f}s (heartbeat timeout "
+                  f"{self.rcfg.heartbeat_timeout_s:g}s): the other nodes count this one "
+                  f"as lost; stopping its workers (ranks {ranks})")
+        stop_processes([w.proc for w in list(self.workers.values())], grace_s=0.0)
 
     def _start_zygote(self) -> Zygote | None:
         """The process that spares are forked from (ADR 0011), where this node keeps

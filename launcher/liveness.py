@@ -47,6 +47,8 @@ class Heartbeat(threading.Thread):
         self._interval = interval_s
         self._group_of = group_of
         self._stop_event = threading.Event()
+        #: monotonic time the beat in progress started writing; None between beats.
+        self.blocked_since: float | None = None
 
     def run(self) -> None:
         try:
@@ -64,19 +66,67 @@ class Heartbeat(threading.Thread):
                           file=sys.stderr, flush=True)
                 last = now
                 seq += 1
+                self.blocked_since = now
                 auth.put(store, self._key, str(seq))
                 group = self._group_of()
                 if group is not None:
                     reassert_owner(store, group, self._node)
                 protocol.reassert_generations(store)
+                self.blocked_since = None
         except (StoreUnavailable, dist.DistError, RuntimeError):
-            return  # the main loop notices a dead store on its own next operation
+            # The main loop notices a dead store on its own next operation; a beat left
+            # unwritten (blocked_since stays set) is what the StoreLease watches for.
+            return
 
     def stop(self) -> None:
         """Stop beating; wait (briefly) for the thread to close its store connection."""
         self._stop_event.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=2.0)
+
+
+class StoreLease(threading.Thread):
+    """Stops this node's workers once its heartbeat has been stuck for ``timeout_s``.
+
+    The other agents declare this node lost when its heartbeat has not grown for
+    ``timeout_s`` on their clocks, and a spare node may then run its ranks. A node cut
+    off from the network (no FIN, no RST: its connections just go quiet) learns nothing
+    of this: every store operation of its agent blocks for up to the store's operation
+    timeout, and its workers wait in collectives and store reads. Its heartbeat is a
+    lease: when a beat has been in flight for ``timeout_s`` without reaching the store,
+    this node must assume it has been declared lost and fence itself at once, from this
+    thread (the main loop is blocked in the store), before the link can come back and
+    its workers' stale writes or collectives reach the job (ADR 0019).
+
+    A beat that cannot be *written* is the sign, not a beat that was written late: an
+    agent that was not scheduled (SIGSTOP, an overloaded host) writes its next beat at
+    once when it wakes, and keeps its workers (ADR 0010, addendum). Time this watch
+    itself was not scheduled does not count either, as in :meth:`PeerWatch.check`.
+    """
+
+    def __init__(self, heartbeat: Heartbeat, timeout_s: float,
+                 on_lost: Callable[[float], None], interval_s: float = 0.2) -> None:
+        super().__init__(name="checkpointless-store-lease", daemon=True)
+        self._heartbeat = heartbeat
+        self._timeout = timeout_s
+        self._on_lost = on_lost
+        self._interval = interval_s
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        looked = counted_from = time.monotonic()
+        while not self._stop_event.wait(self._interval):
+            now = time.monotonic()
+            if now - looked > self._timeout / 2:
+                counted_from = now  # this thread was not scheduled: the gap proves nothing
+            looked = now
+            since = self._heartbeat.blocked_since
+            if since is not None and now - max(since, counted_from) > self._timeout:
+                self._on_lost(now - since)
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
 
 
 @dataclass
