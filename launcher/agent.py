@@ -327,6 +327,11 @@ class Agent(NodeLossHandling):
             del self.workers[w.rank]
             sig = exit_signal(code)
             self._emit(Event.WORKER_EXIT, rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
+            if code != 0 and self._taken_over_by() is not None:
+                # Its rank runs on another node now (this one was declared lost, say while
+                # cut off): what became of this process is no news to the job.
+                self._fence_check = True
+                continue
             self._publish_process(w.rank, w.pid, "exited", exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)
