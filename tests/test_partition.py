@@ -131,6 +131,23 @@ def test_cut_link_is_silent_both_ways_and_restores(lab):
                 p.wait()
 
 
+def test_namespaces_of_a_crashed_run_are_swept():
+    """A run that dies without cleaning up (os._exit skips atexit) leaves its namespaces;
+    the next run's sweep deletes them, and only those of dead pids."""
+    made = subprocess.run(
+        [sys.executable, "-c", "import os; from tests.netns import NetLab; "
+         "lab = NetLab(2).start(); print(os.getpid(), flush=True); os._exit(0)"],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    dead = int(made.stdout.strip())
+    assert len(netns.namespaces_of(dead)) == 3
+    with netns.NetLab(1, tag="mine"):
+        mine = netns.namespaces_of(os.getpid())
+        assert mine and not netns.namespaces_of(dead), "the sweep left a dead run's namespaces"
+        netns.sweep()
+        assert netns.namespaces_of(os.getpid()) == mine, "the sweep took a live run's"
+
+
 # --- (b) a job across namespaces ---------------------------------------------------------
 def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: int,
                timeout_s: float, during: Callable[[Path], None] | None = None) -> JobResult:
