@@ -202,8 +202,9 @@ class Agent(NodeLossHandling):
                                             self.rcfg.heartbeat_interval_s,
                                             group_of=lambda: self.group)
         self.heartbeat.start()
-        self.lease = liveness.StoreLease(self.heartbeat, self.rcfg.heartbeat_timeout_s,
-                                         self._on_isolated)
+        self.lease = liveness.StoreLease(
+            self.heartbeat, self.rcfg.heartbeat_timeout_s, self._on_isolated,
+            reachable=lambda: job_store.accepts(a.host, port, timeout_s=1.0))
         self.lease.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run

@@ -102,27 +102,44 @@ class StoreLease(threading.Thread):
     agent that was not scheduled (SIGSTOP, an overloaded host) writes its next beat at
     once when it wakes, and keeps its workers (ADR 0010, addendum). Time this watch
     itself was not scheduled does not count either, as in :meth:`PeerWatch.check`.
+    Nor does a store host that is only slow (a starved agent 0 answers nobody for
+    seconds): before it fences, the lease asks ``reachable`` (a plain TCP connect to the
+    store, which the store host's kernel answers however busy the process is), and a
+    store that accepts keeps the lease.
     """
 
+    #: How often a stuck beat asks whether the store host is reachable at all.
+    PROBE_EVERY_S = 1.0
+
     def __init__(self, heartbeat: Heartbeat, timeout_s: float,
-                 on_lost: Callable[[float], None], interval_s: float = 0.2) -> None:
+                 on_lost: Callable[[float], None], reachable: Callable[[], bool],
+                 interval_s: float = 0.2) -> None:
         super().__init__(name="checkpointless-store-lease", daemon=True)
         self._heartbeat = heartbeat
         self._timeout = timeout_s
         self._on_lost = on_lost
+        self._reachable = reachable
         self._interval = interval_s
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         looked = counted_from = time.monotonic()
+        next_probe = 0.0
         while not self._stop_event.wait(self._interval):
             now = time.monotonic()
             if now - looked > self._timeout / 2:
                 counted_from = now  # this thread was not scheduled: the gap proves nothing
             looked = now
             since = self._heartbeat.blocked_since
-            if since is not None and now - max(since, counted_from) > self._timeout:
-                self._on_lost(now - since)
+            if since is None or now - max(since, counted_from) <= self._timeout:
+                continue
+            if now < next_probe:
+                continue
+            next_probe = now + self.PROBE_EVERY_S
+            if self._reachable():
+                continue  # the store host's kernel answers: slow, not cut off
+            if self._heartbeat.blocked_since == since and not self._stop_event.is_set():
+                self._on_lost(time.monotonic() - since)
                 return
 
     def stop(self) -> None:

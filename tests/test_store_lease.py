@@ -1,6 +1,7 @@
 """The agent's store lease (``launcher.liveness.StoreLease``): a node whose heartbeat
 cannot reach the job store for a heartbeat timeout stops its workers (ADR 0019), but a
-beat that was merely late (the agent was not scheduled) costs nothing."""
+beat that was merely late (the agent was not scheduled) or stuck on a store host that
+still accepts connections (not scheduled either) costs nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 from launcher.liveness import StoreLease
 
 
-def _lease(blocked_since: float | None, timeout_s: float = 0.5):
+def _lease(blocked_since: float | None, timeout_s: float = 0.5, reachable: bool = False):
     beat = SimpleNamespace(blocked_since=blocked_since)
     fired: list[float] = []
     done = threading.Event()
@@ -20,7 +21,8 @@ def _lease(blocked_since: float | None, timeout_s: float = 0.5):
         fired.append(stuck_s)
         done.set()
 
-    lease = StoreLease(beat, timeout_s, on_lost, interval_s=0.02)  # type: ignore[arg-type]
+    lease = StoreLease(beat, timeout_s, on_lost, reachable=lambda: reachable,  # type: ignore[arg-type]
+                       interval_s=0.02)
     return lease, beat, fired, done
 
 
@@ -57,6 +59,17 @@ def test_time_the_lease_was_not_scheduled_does_not_count():
     time.sleep(0.45)
     beat.blocked_since = None  # the beat went through right after the wake-up
     time.sleep(0.6)
+    lease.stop()
+    lease.join(2.0)
+    assert not fired, fired
+
+
+def test_a_store_host_that_still_accepts_is_slow_not_gone():
+    """A beat stuck because the store host is not scheduled (its kernel still completes
+    TCP handshakes) keeps the lease: the whole job would otherwise stop its workers."""
+    lease, _beat, fired, _done = _lease(time.monotonic(), reachable=True)
+    lease.start()
+    time.sleep(1.0)
     lease.stop()
     lease.join(2.0)
     assert not fired, fired
