@@ -289,6 +289,8 @@ class Agent(NodeLossHandling):
             if self._signal is not None:
                 return self._stop()
             gen = protocol.current_generation(self.store)  # before looking at anyone
+            if self._isolated_s is not None and self.heartbeat.blocked_since is None:
+                self._isolated_s = None  # in touch with the store again (see _on_isolated)
             failure = protocol.fatal(self.store)
             if failure is not None:
                 return self._failed(str(failure.get("reason", failure)))

@@ -140,7 +140,12 @@ class StoreLease(threading.Thread):
                 continue  # the store host's kernel answers: slow, not cut off
             if self._heartbeat.blocked_since == since and not self._stop_event.is_set():
                 self._on_lost(time.monotonic() - since)
-                return
+                # Once per stuck beat: watch again when a beat goes through (the node may
+                # be back and keep running, say as a spare node) and then gets stuck.
+                while (self._heartbeat.blocked_since == since
+                       and not self._stop_event.wait(self._interval)):
+                    pass
+                looked = counted_from = time.monotonic()
 
     def stop(self) -> None:
         self._stop_event.set()
