@@ -223,7 +223,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
 def test_partitioned_node_is_fenced_and_the_job_recovers(lab, tmp_path):
     """Cut node 1's link at step 3 (processes keep running), restore it after the job
     recovered on node 0 and spare node 2; the job ends bit-identical."""
