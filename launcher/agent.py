@@ -115,6 +115,8 @@ class Agent(NodeLossHandling):
         self.store: dist.Store | None = None
         self.spares: SparePool | None = None
         self.heartbeat: liveness.Heartbeat | None = None
+        self.lease: liveness.StoreLease | None = None
+        self._isolated_s: float | None = None  # set when the lease stopped our workers
         self.job_store: job_store.JobStore | None = None
         self.done = liveness.DoneWatch(args.world_size)
         self._signal: int | None = None
@@ -146,12 +148,20 @@ class Agent(NodeLossHandling):
         except dist.DistError as exc:
             where = (str(self.job_store.address) if self.job_store is not None
                      else f"{self.args.host}:{self.args.port}")
+            if self._isolated_s is not None:  # cut off: the others have taken over
+                self._log(f"the job store at {where} stayed unreachable "
+                          f"({job_store.brief(exc)}); leaving the job fenced "
+                          f"(exit {contract.EXIT_FENCED})")
+                self._stop_local()
+                return contract.EXIT_FENCED
             return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})")
         except TimeoutError as exc:  # a declarer died half-way through declare_failure
             with contextlib.suppress(dist.DistError, RuntimeError):
                 protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
             return self._failed(f"the generation is stuck: {exc}")
         finally:
+            if self.lease is not None:
+                self.lease.stop()
             if self.heartbeat is not None:
                 self.heartbeat.stop()
             self._stop_local()
@@ -198,6 +208,11 @@ class Agent(NodeLossHandling):
         if etcd:  # the lease's expiry detects a lost node; see launcher.liveness
             self.watch.lease_confirm_s = 2 * self.rcfg.heartbeat_interval_s
         self.heartbeat.start()
+        self.lease = liveness.StoreLease(
+            self.heartbeat, self.rcfg.heartbeat_timeout_s, self._on_isolated,
+            reachable=lambda: any(job_store.accepts(h, p, timeout_s=1.0)
+                                  for h, p in self.job_store.address.endpoints))
+        self.lease.start()
         role = "spare node" if a.is_spare_node else f"ranks {self._ranks(self.node)}"
         # world size, cwd and the resolved recipe let `checkpointless report` read the run
         where = str(self.job_store.address)
@@ -206,6 +221,23 @@ class Agent(NodeLossHandling):
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {where}, "
                   f"run dir {self.run_dir})")
         self._log(f"listening on {self.job_store.plan.describe}")
+
+    def _on_isolated(self, stuck_s: float) -> None:
+        """Called from the :class:`liveness.StoreLease` thread: this agent's heartbeat
+        has not reached the store for a heartbeat timeout, so the other agents count
+        this node as lost. Its workers are stopped now, while the main loop is still
+        blocked in the store; when the store answers again, the loop finds them gone
+        and either sees the takeover (``_fenced``, exit 4) or, if nobody took the
+        ranks, declares their loss and replaces them like any other failure."""
+        if self._signal is not None:
+            return
+        self._isolated_s = stuck_s
+        ranks = sorted(self.workers)
+        self._emit(Event.NODE_ISOLATED, stuck_s=round(stuck_s, 3), ranks=ranks)
+        self._log(f"cannot reach the job store for {stuck_s:.1f}s (heartbeat timeout "
+                  f"{self.rcfg.heartbeat_timeout_s:g}s): the other nodes count this one "
+                  f"as lost; stopping its workers (ranks {ranks})")
+        stop_processes([w.proc for w in list(self.workers.values())], grace_s=0.0)
 
     def _start_zygote(self) -> Zygote | None:
         """The process that spares are forked from (ADR 0011), where this node keeps
@@ -265,6 +297,8 @@ class Agent(NodeLossHandling):
             if self._signal is not None:
                 return self._stop()
             gen = protocol.current_generation(self.store)  # before looking at anyone
+            if self._isolated_s is not None and self.heartbeat.blocked_since is None:
+                self._isolated_s = None  # in touch with the store again (see _on_isolated)
             failure = protocol.fatal(self.store)
             if failure is not None:
                 return self._failed(str(failure.get("reason", failure)))
@@ -304,6 +338,11 @@ class Agent(NodeLossHandling):
             del self.workers[w.rank]
             sig = exit_signal(code)
             self._emit(Event.WORKER_EXIT, rank=w.rank, pid=w.pid, exitcode=code, signal=sig)
+            if code != 0 and self._taken_over_by() is not None:
+                # Its rank runs on another node now (this one was declared lost, say while
+                # cut off): what became of this process is no news to the job.
+                self._fence_check = True
+                continue
             self._publish_process(w.rank, w.pid, "exited", exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)

@@ -191,7 +191,7 @@ def connect_store(
     where = f"{host}:{port}"
     start = time.monotonic()
     deadline, next_report = start + timeout_s, start + WAIT_REPORT_S
-    while not _accepts(host, port):
+    while not accepts(host, port):
         if should_stop():
             raise StoreUnavailable("interrupted while waiting for the job store")
         now = time.monotonic()
@@ -295,9 +295,13 @@ def check_job_key(store: dist.Store, where: str, timeout_s: float = 10.0) -> Non
             "(CHECKPOINTLESS_JOB_SECRET / --job-secret-file must be the same on every node)")
 
 
-def _accepts(host: str, port: int) -> bool:
+def accepts(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Does something accept TCP connections at ``host:port`` within ``timeout_s``?
+
+    The kernel completes the handshake for a listening socket, so a store host that is
+    merely not scheduled still accepts; a host that is unreachable does not."""
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
         return True
     except OSError:
         return False

@@ -56,6 +56,8 @@ class Heartbeat(threading.Thread):
         self._group_of = group_of
         self._lease_ttl = lease_ttl_s  # > 0 with etcd: hold a lease (see the module doc)
         self._stop_event = threading.Event()
+        #: monotonic time the beat in progress started writing; None between beats.
+        self.blocked_since: float | None = None
 
     def run(self) -> None:
         try:
@@ -77,6 +79,7 @@ class Heartbeat(threading.Thread):
                           file=sys.stderr, flush=True)
                 last = now
                 seq += 1
+                self.blocked_since = now
                 auth.put(store, self._key, str(seq))
                 if lease is not None:
                     lease = self._renew(store, lease)
@@ -84,8 +87,11 @@ class Heartbeat(threading.Thread):
                 if group is not None:
                     reassert_owner(store, group, self._node)
                 protocol.reassert_generations(store)
+                self.blocked_since = None
         except (StoreUnavailable, dist.DistError, RuntimeError):
-            return  # the main loop notices a dead store on its own next operation
+            # The main loop notices a dead store on its own next operation; a beat left
+            # unwritten (blocked_since stays set) is what the StoreLease watches for.
+            return
 
     def _grant(self, store: dist.Store) -> int | None:
         if self._lease_ttl <= 0:
@@ -117,6 +123,72 @@ class Heartbeat(threading.Thread):
         self._stop_event.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=2.0)
+
+
+class StoreLease(threading.Thread):
+    """Stops this node's workers once its heartbeat has been stuck for ``timeout_s``.
+
+    The other agents declare this node lost when its heartbeat has not grown for
+    ``timeout_s`` on their clocks, and a spare node may then run its ranks. A node cut
+    off from the network (no FIN, no RST: its connections just go quiet) learns nothing
+    of this: every store operation of its agent blocks for up to the store's operation
+    timeout, and its workers wait in collectives and store reads. Its heartbeat is a
+    lease: when a beat has been in flight for ``timeout_s`` without reaching the store,
+    this node must assume it has been declared lost and fence itself at once, from this
+    thread (the main loop is blocked in the store), before the link can come back and
+    its workers' stale writes or collectives reach the job (ADR 0021).
+
+    A beat that cannot be *written* is the sign, not a beat that was written late: an
+    agent that was not scheduled (SIGSTOP, an overloaded host) writes its next beat at
+    once when it wakes, and keeps its workers (ADR 0010, addendum). Time this watch
+    itself was not scheduled does not count either, as in :meth:`PeerWatch.check`.
+    Nor does a store host that is only slow (a starved agent 0 answers nobody for
+    seconds): before it fences, the lease asks ``reachable`` (a plain TCP connect to the
+    store, which the store host's kernel answers however busy the process is), and a
+    store that accepts keeps the lease.
+    """
+
+    #: How often a stuck beat asks whether the store host is reachable at all.
+    PROBE_EVERY_S = 1.0
+
+    def __init__(self, heartbeat: Heartbeat, timeout_s: float,
+                 on_lost: Callable[[float], None], reachable: Callable[[], bool],
+                 interval_s: float = 0.2) -> None:
+        super().__init__(name="checkpointless-store-lease", daemon=True)
+        self._heartbeat = heartbeat
+        self._timeout = timeout_s
+        self._on_lost = on_lost
+        self._reachable = reachable
+        self._interval = interval_s
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        looked = counted_from = time.monotonic()
+        next_probe = 0.0
+        while not self._stop_event.wait(self._interval):
+            now = time.monotonic()
+            if now - looked > self._timeout / 2:
+                counted_from = now  # this thread was not scheduled: the gap proves nothing
+            looked = now
+            since = self._heartbeat.blocked_since
+            if since is None or now - max(since, counted_from) <= self._timeout:
+                continue
+            if now < next_probe:
+                continue
+            next_probe = now + self.PROBE_EVERY_S
+            if self._reachable():
+                continue  # the store host's kernel answers: slow, not cut off
+            if self._heartbeat.blocked_since == since and not self._stop_event.is_set():
+                self._on_lost(time.monotonic() - since)
+                # Once per stuck beat: watch again when a beat goes through (the node may
+                # be back and keep running, say as a spare node) and then gets stuck.
+                while (self._heartbeat.blocked_since == since
+                       and not self._stop_event.wait(self._interval)):
+                    pass
+                looked = counted_from = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop_event.set()
 
 
 @dataclass

@@ -32,6 +32,7 @@ class Event(StrEnum):
     NODE_RETURNED = "node_returned"
     NODE_TAKEOVER = "node_takeover"
     NODE_FENCED = "node_fenced"
+    NODE_ISOLATED = "node_isolated"  # this agent cannot reach the job store: fenced
     SPARE_START = "spare_start"
     SPARE_EXIT = "spare_exit"
     SPARE_FORK_FAILED = "spare_fork_failed"
