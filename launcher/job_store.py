@@ -165,7 +165,50 @@ def _open_etcd(args: RunArgs, secret: bytes | None, plan: bind_mod.BindPlan,
                 next_report = now + WAIT_REPORT_S
             time.sleep(0.5)
     check_job_key(store, where)
+    refuse_a_finished_job(store, addr)
     return JobStore(store, 0, signing.process_signer(), plan, addr)
+
+
+def _registered_but_none_alive(store: dist.Store, registered: Callable[[dist.Store], list[int]],
+                               patience_s: float = 3.0) -> bool:
+    """Agents joined this job, and none holds a live lease for ``patience_s`` (an agent
+    registers a moment before its heartbeat thread first puts its lease record)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        nodes = registered(store)
+        if not nodes:
+            return False
+        keys = [protocol.agent_lease_key(n) for n in nodes]
+        if any(v is not None for v in store.read_now(keys)):  # type: ignore[attr-defined]
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
+
+
+def refuse_a_finished_job(store: dist.Store, addr: StoreAddress) -> None:
+    """Stop if the job's records in etcd belong to a job that is over.
+
+    A TCPStore is born with its job; etcd keeps every record until someone deletes it,
+    so a new job started with an old ``--rdzv-id`` would read the old job's generations
+    and "done" records (it ended at once with "job done"). One that finished or failed
+    left a sealed record saying so; one whose agents were all killed left agents but no
+    live lease.
+    """
+    from launcher import membership
+
+    why = None
+    if protocol.any_done(store):
+        why = "finished"
+    elif protocol.fatal(store) is not None:
+        why = "failed"
+    elif _registered_but_none_alive(store, membership.registered_nodes):
+        why = "was stopped (no agent of it is alive)"
+    if why is not None:
+        raise StoreUnavailable(
+            f"job {addr.job!r} already ran on etcd {addr.endpoint_text()} and {why}: its "
+            f"records are still under {addr.prefix!r}. Use a new --rdzv-id, or delete them "
+            f"(etcdctl --endpoints {addr.endpoint_text()} del --prefix {addr.prefix})")
 
 
 #: How often a joining agent says it is still waiting for the job store.

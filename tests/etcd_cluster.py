@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -40,11 +41,17 @@ def _free_ports(n: int) -> list[int]:
 
 
 class EtcdCluster:
-    """``size`` etcd members on 127.0.0.1, each with its own client and peer port."""
+    """``size`` etcd members on ``host`` (127.0.0.1), each with its own client and peer
+    port. ``launch_prefix`` runs them inside something, e.g. ``ip netns exec NS`` for a
+    member on its own network host (``tests/netns.py``); the health probe then runs
+    there too, since the test process may not reach that address."""
 
-    def __init__(self, size: int = 1, startup_timeout: float = 20.0) -> None:
+    def __init__(self, size: int = 1, startup_timeout: float = 20.0, *,
+                 host: str = "127.0.0.1", launch_prefix: list[str] | None = None) -> None:
         self.size = size
         self.startup_timeout = startup_timeout
+        self.host = host
+        self.launch_prefix = list(launch_prefix or [])
         ports = _free_ports(2 * size)
         self.client_ports, self.peer_ports = ports[:size], ports[size:]
         self.root = Path(tempfile.mkdtemp(prefix="etcd-test-"))
@@ -53,13 +60,15 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.client_ports]
+        return [f"{self.host}:{p}" for p in self.client_ports]
 
     def _argv(self, i: int) -> list[str]:
-        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
-        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
-        return [ETCD, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
+        h = self.host
+        initial = ",".join(f"{n}=http://{h}:{p}" for n, p in zip(self.names, self.peer_ports))
+        client = f"http://{h}:{self.client_ports[i]}"
+        peer = f"http://{h}:{self.peer_ports[i]}"
+        return [*self.launch_prefix, ETCD, "--name", self.names[i],
+                "--data-dir", str(self.root / self.names[i]),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", initial, "--initial-cluster-token", self.root.name,
@@ -108,6 +117,10 @@ class EtcdCluster:
                 if proc.poll() is not None:
                     log = (self.root / f"{self.names[j]}.log").read_text()
                     raise RuntimeError(f"etcd member {j} exited: {log[-2000:]}")
+                if self.launch_prefix:
+                    if self._probe_inside(j):
+                        return
+                    continue
                 try:
                     req = urllib.request.Request(
                         f"http://{self.endpoints[j]}/v3/kv/range", data=json.dumps(
@@ -119,6 +132,16 @@ class EtcdCluster:
                     last = repr(exc)
             time.sleep(0.05)
         raise RuntimeError(f"etcd cluster not healthy after {self.startup_timeout}s: {last}")
+
+    def _probe_inside(self, j: int) -> bool:
+        """The health read of :meth:`wait_healthy`, run under ``launch_prefix``."""
+        code = ("import json, sys, urllib.request as u; "
+                f"r = u.Request('http://{self.endpoints[j]}/v3/kv/range', "
+                "data=json.dumps({'key': 'aGVhbHRo'}).encode(), method='POST'); "
+                "sys.exit(0 if u.urlopen(r, timeout=1.0).status == 200 else 1)")
+        done = subprocess.run([*self.launch_prefix, sys.executable, "-c", code],
+                              capture_output=True, timeout=10)
+        return done.returncode == 0
 
     def close(self) -> None:
         for i in range(self.size):

@@ -122,3 +122,21 @@ def test_etcd_without_a_job_secret_is_refused_at_once(tmp_path):
                          env=clean_env())
     assert out.returncode == 2
     assert "--rdzv-backend etcd needs a job secret" in out.stderr, out.stderr
+
+
+def test_a_finished_jobs_id_is_refused(tmp_path, cluster, reference):
+    """etcd keeps a job's records after it ends: an agent started with that job's
+    --rdzv-id is refused at once with the way out, instead of joining a finished job."""
+    store = reference.events("agent_start")[0]["store"]
+    assert store.startswith("etcd://"), store
+    job = store.rsplit("/", 1)[1]
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--nnodes", "2", "--node-rank", "0",
+           "--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(cluster.endpoints),
+           "--rdzv-id", job, "--rdzv-conf", "join_timeout=10", "--run-dir", str(tmp_path),
+           "-m", "json.tool"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**clean_env(), "CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET})
+    assert out.returncode != 0
+    assert f"job {job!r} already ran on etcd" in out.stderr and "finished" in out.stderr, \
+        out.stderr[-2000:]
+    assert "del --prefix checkpointless/" in out.stderr

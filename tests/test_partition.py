@@ -150,9 +150,11 @@ def test_namespaces_of_a_crashed_run_are_swept():
 
 # --- (b) a job across namespaces ---------------------------------------------------------
 def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: int,
-               timeout_s: float, during: Callable[[Path], None] | None = None) -> JobResult:
+               timeout_s: float, during: Callable[[Path], None] | None = None,
+               etcd: str | None = None) -> JobResult:
     """:func:`tests.recovery_harness.run_job`, with node ``n``'s agent in namespace ``n``
-    and the endpoint on node 0's veth address (no loopback anywhere)."""
+    and the endpoint on node 0's veth address (no loopback anywhere); with ``etcd``
+    (``HOST:PORT,...``) the job's store is that etcd cluster instead."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**clean_env(), "CHECKPOINTLESS_JOB_SECRET": SECRET}
     endpoint = f"{lab.addr(0)}:{STORE_PORT}"
@@ -164,9 +166,10 @@ def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: in
     try:
         for node in range(nnodes + spare_nodes):
             cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=2, run_dir=run_dir,
-                                endpoint=endpoint, rdzv_id=f"part{os.getpid()}", spares=0,
+                                endpoint=endpoint, rdzv_id=f"part{os.getpid()}-{run_dir.name}",
+                                spares=0,
                                 overrides=FAST_DETECTION, script="examples/train_gpt.py",
-                                script_args=SCRIPT_ARGS)
+                                script_args=SCRIPT_ARGS, etcd=etcd)
             out, err = logs / f"agent{node}.out", logs / f"agent{node}.err"
             with open(out, "wb") as fo, open(err, "wb") as fe:
                 proc = subprocess.Popen([*lab.prefix(node), *cmd], cwd=REPO, env=env,
@@ -281,4 +284,76 @@ def test_partitioned_node_is_fenced_and_the_job_recovers(lab, tmp_path):
           f"node 1 fenced itself after {self_fence:.2f}s, job recovered on the spare node "
           f"{recovered:.2f}s after the cut ({recovered - detect:.2f}s after detection); "
           f"link restored at {marks['restore'] - marks['cut']:.2f}s")
+    assert 2.5 < detect < 10, f"detection took {detect:.2f}s with a 3 s heartbeat timeout"
+
+
+# --- (c) under etcd: the node that hosted the store under c10d is an ordinary node ------
+@pytest.fixture
+def etcd_lab() -> Iterator[tuple[netns.NetLab, str]]:
+    """Nodes 0-2 for agents, namespace 3 for a one-member etcd cluster of its own."""
+    from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
+
+    missing = etcd_missing_reason()
+    if missing:
+        if os.environ.get("TESTS_REQUIRE_ETCD") == "1":
+            pytest.fail(f"{missing}, and TESTS_REQUIRE_ETCD=1")
+        pytest.skip(missing)
+    with (netns.NetLab(4, tag="etcd") as made,
+          EtcdCluster(1, host=made.addr(3), launch_prefix=made.prefix(3)) as cluster):
+        yield made, ",".join(cluster.endpoints)
+    assert not netns.namespaces_of(os.getpid()), "a namespace was left behind"
+
+
+def _recovered_with(ranks: list[int]) -> Callable[[list[dict]], bool]:
+    def done(events: list[dict]) -> bool:
+        recs = [e for e in events if e.get("event") == "recovery"]
+        if not recs:
+            return False
+        gen = max(e["gen"] for e in recs)
+        last = [e for e in recs if e["gen"] == gen]
+        return len(last) == 4 and sorted(e["rank"] for e in last if e["newcomer"]) == ranks
+    return done
+
+
+def test_partitioned_node_0_under_etcd_is_fenced_and_the_job_recovers(etcd_lab, tmp_path):
+    """Under etcd, cut node 0 (the store host under c10d, where its loss ends the job):
+    its lease expires, it fences itself, spare node 2 takes ranks 0 and 1 over, and the
+    job ends bit-identical to a failure-free run in the same namespaces."""
+    lab, endpoints = etcd_lab
+    reference = run_in_lab(lab, tmp_path / "reference", nnodes=2, spare_nodes=0,
+                           timeout_s=90, etcd=endpoints)
+    assert_succeeded(reference)
+    assert not reference.events("recovery"), "the failure-free run recovered from something"
+
+    marks: dict[str, float] = {}
+
+    def partition(run_dir: Path) -> None:
+        _wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
+                                             for e in ev), "training to reach step 3")
+        marks["cut"] = time.time()
+        lab.cut(0)
+        _wait_events(run_dir, _recovered_with([0, 1]),
+                     "the recovery with ranks 0, 1 on the spare node")
+        marks["restore"] = time.time()
+        lab.restore(0)
+
+    job = run_in_lab(lab, tmp_path / "run", nnodes=2, spare_nodes=1, timeout_s=150,
+                     during=partition, etcd=endpoints)
+    assert job.returncodes[0] == 4, (
+        f"node 0 should leave fenced (exit 4): {job.returncodes}\n{job.output()}")
+    assert_succeeded(job, except_nodes=(0,))
+    assert_same_final(reference, job)
+    lost = job.events("node_lost")
+    assert lost and {e["lost_node"] for e in lost} == {0}, lost
+    assert [(e["node"], e["group"]) for e in job.events("node_takeover")] == [(2, 0)]
+    assert [e["node"] for e in job.events("node_isolated")] == [0]
+    node0_pids = [e["pid"] for e in job.events("worker_start") if e["node"] == 0]
+    assert node0_pids and not [p for p in node0_pids if _alive(p)], node0_pids
+    recs = job.events("recovery")
+    newest = max(e["gen"] for e in recs)
+    last = [e for e in recs if e["gen"] == newest]
+    detect = min(e["ts"] for e in lost) - marks["cut"]
+    recovered = max(e["ts"] for e in last) - marks["cut"]
+    print(f"\netcd, partition of node 0: detected {detect:.2f}s after the cut, recovered "
+          f"on the spare node {recovered:.2f}s after the cut")
     assert 2.5 < detect < 10, f"detection took {detect:.2f}s with a 3 s heartbeat timeout"
