@@ -24,14 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from recovery.protocol import read_events
 from tests import netns
+from tests.lab_jobs import STORE_PORT, run_in_lab, wait_events
 from tests.recovery_harness import (
     REPO,
-    TRAIN_ARGS,
-    Agent,
-    JobResult,
-    agent_command,
     assert_same_final,
     assert_succeeded,
     clean_env,
@@ -46,12 +42,6 @@ if _why_not is not None:
                            f"{_why_not}")
     pytest.skip(f"network namespaces unusable: {_why_not}", allow_module_level=True)
 
-#: Modest detection so the test stays short; the agents check peers twice a second.
-FAST_DETECTION = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
-#: Slow steps: training must still run when the spare node's ranks are ready.
-SCRIPT_ARGS = (*TRAIN_ARGS, "--step-sleep", "0.4")
-SECRET = "partition-test-secret-0123456789abcdef"
-STORE_PORT = 29400  # any port: each namespace is a fresh network stack
 
 
 @pytest.fixture
@@ -149,63 +139,6 @@ def test_namespaces_of_a_crashed_run_are_swept():
 
 
 # --- (b) a job across namespaces ---------------------------------------------------------
-def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: int,
-               timeout_s: float, during: Callable[[Path], None] | None = None,
-               etcd: str | None = None) -> JobResult:
-    """:func:`tests.recovery_harness.run_job`, with node ``n``'s agent in namespace ``n``
-    and the endpoint on node 0's veth address (no loopback anywhere); with ``etcd``
-    (``HOST:PORT,...``) the job's store is that etcd cluster instead."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**clean_env(), "CHECKPOINTLESS_JOB_SECRET": SECRET}
-    endpoint = f"{lab.addr(0)}:{STORE_PORT}"
-    agents: dict[int, Agent] = {}
-    logs = run_dir / "logs"
-    logs.mkdir()
-    t0 = time.monotonic()
-    timed_out = False
-    try:
-        for node in range(nnodes + spare_nodes):
-            cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=2, run_dir=run_dir,
-                                endpoint=endpoint, rdzv_id=f"part{os.getpid()}-{run_dir.name}",
-                                spares=0,
-                                overrides=FAST_DETECTION, script="examples/train_gpt.py",
-                                script_args=SCRIPT_ARGS, etcd=etcd)
-            out, err = logs / f"agent{node}.out", logs / f"agent{node}.err"
-            with open(out, "wb") as fo, open(err, "wb") as fe:
-                proc = subprocess.Popen([*lab.prefix(node), *cmd], cwd=REPO, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                        start_new_session=True)
-            agents[node] = Agent(node, proc, out, err)
-        if during is not None:
-            during(run_dir)
-        deadline = t0 + timeout_s
-        for agent in agents.values():
-            try:
-                agent.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
-    finally:
-        for agent in agents.values():
-            if agent.proc.poll() is None:
-                agent.kill()
-    return JobResult(run_dir=run_dir, world_size=nnodes * 2,
-                     returncodes={n: a.proc.returncode for n, a in agents.items()},
-                     agents=agents, elapsed_s=time.monotonic() - t0, timed_out=timed_out)
-
-
-def _wait_events(run_dir: Path, until: Callable[[list[dict]], bool], what: str,
-                 timeout_s: float = 60) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    path = run_dir / "events.jsonl"
-    while time.monotonic() < deadline:
-        found = read_events(path) if path.exists() else []
-        if until(found):
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _recovered_with_newcomers(events: list[dict]) -> bool:
     recs = [e for e in events if e.get("event") == "recovery"]
     if not recs:
@@ -240,11 +173,11 @@ def test_partitioned_node_is_fenced_and_the_job_recovers(lab, tmp_path):
     marks: dict[str, float] = {}
 
     def partition(run_dir: Path) -> None:
-        _wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
+        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
                                              for e in ev), "training to reach step 3")
         marks["cut"] = time.time()
         lab.cut(1)
-        _wait_events(run_dir, _recovered_with_newcomers,
+        wait_events(run_dir, _recovered_with_newcomers,
                      "the recovery with ranks 2, 3 on the spare node")
         marks["restore"] = time.time()
         lab.restore(1)
@@ -328,11 +261,11 @@ def test_partitioned_node_0_under_etcd_is_fenced_and_the_job_recovers(etcd_lab, 
     marks: dict[str, float] = {}
 
     def partition(run_dir: Path) -> None:
-        _wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
+        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
                                              for e in ev), "training to reach step 3")
         marks["cut"] = time.time()
         lab.cut(0)
-        _wait_events(run_dir, _recovered_with([0, 1]),
+        wait_events(run_dir, _recovered_with([0, 1]),
                      "the recovery with ranks 0, 1 on the spare node")
         marks["restore"] = time.time()
         lab.restore(0)
