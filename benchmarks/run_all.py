@@ -18,27 +18,6 @@ import time
 from benchmarks._harness import REPO, progress
 
 BENCHES = {
-    "bench_node_loss": {
-        "title": "Node loss with the store in node 0 (c10d) or in etcd (issue 17)",
-        "accept": {
-            "node0_loss_recovered": ("==", True),
-            "node0_loss_bit_identical": ("==", True),
-            "etcd_over_c10d_node_loss": ("<=", 1.5),
-        },
-        "note": "One 2-node x 2-worker job with a spare node, heartbeat timeout 3 s "
-                "(interval 0.5 s), four runs in one invocation: node 1 SIGKILLed under "
-                "c10d and under etcd (3 members on loopback), node 0 SIGKILLed under "
-                "etcd (under c10d that ends the job), and node 1's link cut in network "
-                "namespaces with etcd in a namespace of its own. Recovery is measured "
-                "from the kill (or the cut) to the last rank's first step after the "
-                "recovery. Detection is about one heartbeat timeout (3.0-3.2 s here); "
-                "the rest is the replacement workers' start on the spare node and the "
-                "rendezvous. etcd shares the host's 2 cores with the job; real etcd "
-                "members on their own machines and real network latency are not "
-                "captured. Quick mode compares node 0's run with the c10d recovered run, "
-                "not with a failure-free one (the test suite does that: "
-                "tests/test_etcd_job.py, tests/test_partition.py).",
-    },
     "bench_snapshot": {
         "title": "Snapshot and replication cost (issue 2)",
         "accept": {
@@ -147,6 +126,27 @@ BENCHES = {
             "removed_fraction": (">=", 0.9),
             "first_batch_cached_over_uncached": ("<=", 0.1),
         },
+    },
+    "bench_node_loss": {
+        "title": "Node loss with the store in node 0 (c10d) or in etcd (issue 17)",
+        "accept": {
+            "node0_loss_recovered": ("==", True),
+            "node0_loss_bit_identical": ("==", True),
+            "etcd_over_c10d_node_loss": ("<=", 1.5),
+        },
+        "note": "One 2-node x 2-worker job with a spare node, heartbeat timeout 3 s "
+                "(interval 0.5 s), four runs in one invocation: node 1 SIGKILLed under "
+                "c10d and under etcd (3 members on loopback), node 0 SIGKILLed under "
+                "etcd (under c10d that ends the job), and node 1's link cut in network "
+                "namespaces with etcd in a namespace of its own. Recovery is measured "
+                "from the kill (or the cut) to the last rank's first step after the "
+                "recovery. Detection is about one heartbeat timeout (3.0-3.2 s here); "
+                "the rest is the replacement workers' start on the spare node and the "
+                "rendezvous. etcd shares the host's 2 cores with the job; real etcd "
+                "members on their own machines and real network latency are not "
+                "captured. Quick mode compares node 0's run with the c10d recovered run, "
+                "not with a failure-free one (the test suite does that: "
+                "tests/test_etcd_job.py, tests/test_partition.py).",
     },
 }
 
