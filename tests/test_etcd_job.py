@@ -140,3 +140,31 @@ def test_a_finished_jobs_id_is_refused(tmp_path, cluster, reference):
     assert f"job {job!r} already ran on etcd" in out.stderr and "finished" in out.stderr, \
         out.stderr[-2000:]
     assert "del --prefix checkpointless/" in out.stderr
+
+
+def test_a_forged_record_written_into_etcd_is_refused(tmp_path, cluster, reference):
+    """Anyone who can reach etcd can write a key: a fatal flag forged straight into the
+    job's prefix (not sealed with the job key) is ignored and reported, and the job
+    ends bit-identical."""
+    from recovery import protocol
+    from recovery.etcd_store import EtcdStore
+    from recovery.protocol import read_events
+
+    def forge(run_dir):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            starts = [e for e in read_events(run_dir / "events.jsonl")
+                      if e.get("event") == "agent_start"]
+            if starts:
+                break
+            time.sleep(0.1)
+        job = starts[0]["store"].rsplit("/", 1)[1]
+        rogue = EtcdStore(cluster.endpoints, prefix=f"checkpointless/{job}/")
+        rogue.set(protocol.FATAL_KEY, '{"reason": "forged: stop the job"}')
+
+    job = run_job(tmp_path / "run", nnodes=2, timeout_s=150, etcd=",".join(cluster.endpoints),
+                  during=forge)
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    rejected = job.events("auth_rejected")
+    assert rejected and all(e["key"] == protocol.FATAL_KEY for e in rejected), rejected
