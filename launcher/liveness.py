@@ -79,14 +79,26 @@ class Heartbeat(threading.Thread):
                           file=sys.stderr, flush=True)
                 last = now
                 seq += 1
-                self.blocked_since = now
-                auth.put(store, self._key, str(seq))
-                if lease is not None:
-                    lease = self._renew(store, lease)
-                group = self._group_of()
-                if group is not None:
-                    reassert_owner(store, group, self._node)
-                protocol.reassert_generations(store)
+                if self.blocked_since is None:
+                    self.blocked_since = now
+                try:
+                    auth.put(store, self._key, str(seq))
+                    if lease is not None:
+                        lease = self._renew(store, lease)
+                    group = self._group_of()
+                    if group is not None:
+                        reassert_owner(store, group, self._node)
+                    protocol.reassert_generations(store)
+                except dist.DistStoreError as exc:
+                    if not self._addr.is_etcd:
+                        raise
+                    # etcd without quorum, or every member unreachable for a while: the
+                    # next beat tries again (blocked_since stays set: the StoreLease
+                    # decides whether this node is cut off). With c10d a dead store is
+                    # the end of the job, and the main loop says so.
+                    print(f"[checkpointless node {self._node}] heartbeat not written: "
+                          f"{exc}", file=sys.stderr, flush=True)
+                    continue
                 self.blocked_since = None
         except (StoreUnavailable, dist.DistError, RuntimeError):
             # The main loop notices a dead store on its own next operation; a beat left

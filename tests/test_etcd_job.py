@@ -168,3 +168,36 @@ def test_a_forged_record_written_into_etcd_is_refused(tmp_path, cluster, referen
     assert_same_final(reference, job)
     rejected = job.events("auth_rejected")
     assert rejected and all(e["key"] == protocol.FATAL_KEY for e in rejected), rejected
+
+
+def test_quorum_lost_for_a_few_seconds_and_back(tmp_path, cluster, reference):
+    """Two of three members stopped for 5 s (no quorum: no write, no linearizable
+    read), then restarted: every store operation in the meantime waits (bounded by the
+    client's 15 s), training stalls and goes on, nobody is declared lost, and the job
+    ends bit-identical."""
+    marks: dict[str, float] = {}
+
+    def outage(run_dir):
+        def body() -> None:
+            time.sleep(5.0)
+            marks["lost"] = time.time()
+            cluster.stop(1)
+            cluster.stop(2)
+            time.sleep(5.0)
+            cluster.start(1)
+            cluster.start(2)
+            marks["back"] = time.time()
+        threading.Thread(target=body, daemon=True).start()
+
+    try:
+        job = run_job(tmp_path / "run", nnodes=2, timeout_s=150,
+                      etcd=",".join(cluster.endpoints), during=outage)
+    finally:
+        for i in (1, 2):
+            cluster.start(i)
+    assert "lost" in marks and "back" in marks, "the outage did not happen during the job"
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    assert not job.events("failure_declared"), job.events("failure_declared")
+    steps = [e["ts"] for e in job.events("step")]
+    assert any(e > marks["back"] for e in steps), "the job ended before quorum came back"
