@@ -139,13 +139,15 @@ def test_namespaces_of_a_crashed_run_are_swept():
 
 
 # --- (b) a job across namespaces ---------------------------------------------------------
-def _recovered_with_newcomers(events: list[dict]) -> bool:
-    recs = [e for e in events if e.get("event") == "recovery"]
-    if not recs:
-        return False
-    gen = max(e["gen"] for e in recs)
-    last = [e for e in recs if e["gen"] == gen]
-    return len(last) == 4 and sorted(e["rank"] for e in last if e["newcomer"]) == [2, 3]
+def _recovered_with(ranks: list[int]) -> Callable[[list[dict]], bool]:
+    def done(events: list[dict]) -> bool:
+        recs = [e for e in events if e.get("event") == "recovery"]
+        if not recs:
+            return False
+        gen = max(e["gen"] for e in recs)
+        last = [e for e in recs if e["gen"] == gen]
+        return len(last) == 4 and sorted(e["rank"] for e in last if e["newcomer"]) == ranks
+    return done
 
 
 def _alive(pid: int) -> bool:
@@ -177,7 +179,7 @@ def test_partitioned_node_is_fenced_and_the_job_recovers(lab, tmp_path):
                                              for e in ev), "training to reach step 3")
         marks["cut"] = time.time()
         lab.cut(1)
-        wait_events(run_dir, _recovered_with_newcomers,
+        wait_events(run_dir, _recovered_with([2, 3]),
                      "the recovery with ranks 2, 3 on the spare node")
         marks["restore"] = time.time()
         lab.restore(1)
@@ -235,17 +237,6 @@ def etcd_lab() -> Iterator[tuple[netns.NetLab, str]]:
           EtcdCluster(1, host=made.addr(3), launch_prefix=made.prefix(3)) as cluster):
         yield made, ",".join(cluster.endpoints)
     assert not netns.namespaces_of(os.getpid()), "a namespace was left behind"
-
-
-def _recovered_with(ranks: list[int]) -> Callable[[list[dict]], bool]:
-    def done(events: list[dict]) -> bool:
-        recs = [e for e in events if e.get("event") == "recovery"]
-        if not recs:
-            return False
-        gen = max(e["gen"] for e in recs)
-        last = [e for e in recs if e["gen"] == gen]
-        return len(last) == 4 and sorted(e["rank"] for e in last if e["newcomer"]) == ranks
-    return done
 
 
 def test_partitioned_node_0_under_etcd_is_fenced_and_the_job_recovers(etcd_lab, tmp_path):
