@@ -179,7 +179,8 @@ class Agent(NodeLossHandling):
         a = self.args
         auth.set_reporter(self._on_auth_rejected)  # values that fail the job-key check
         self.job_store = job_store.open_job_store(
-            a, self.run_dir, lambda: self._signal is not None, self._log)
+            a, self.run_dir, lambda: self._signal is not None, self._log,
+            store_outage_s=self.rcfg.store_outage_s)
         self.store, port = self.job_store.store, self.job_store.port
         self.cfg.run_dir = self.run_dir
         self.cfg.recovery.events_file = self.events.path

@@ -101,7 +101,8 @@ class JobStore:
 
 
 def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
-                   say: Callable[[str], None] = lambda _m: None) -> JobStore:
+                   say: Callable[[str], None] = lambda _m: None,
+                   store_outage_s: float = store_address.DEFAULT_PATIENCE_S) -> JobStore:
     """Host (node 0) or join the job store, with the job key installed for this process.
 
     The secret comes from ``args`` (``run_args.prepare``); without one, node 0 generates
@@ -114,7 +115,7 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
         multi_node=args.nnodes > 1 or args.node_rank > 0)
     secret, shared = args.job_secret, None
     if args.uses_etcd:
-        return _open_etcd(args, secret, plan, should_stop, say)
+        return _open_etcd(args, secret, plan, should_stop, say, store_outage_s)
     if args.hosts_store:
         if secret is None:
             secret = job_secret.generate()
@@ -137,13 +138,14 @@ def open_job_store(args: RunArgs, run_dir: str, should_stop: Callable[[], bool],
 
 
 def _open_etcd(args: RunArgs, secret: bytes | None, plan: bind_mod.BindPlan,
-               should_stop: Callable[[], bool], say: Callable[[str], None]) -> JobStore:
+               should_stop: Callable[[], bool], say: Callable[[str], None],
+               store_outage_s: float) -> JobStore:
     """Join the job's records in etcd: every agent alike (no host). The first to arrive
     publishes the sealed key check (a compare-and-set, so exactly one does); every
     agent then checks its key against it before it writes anything else."""
     assert secret is not None, "run_args.prepare requires a secret with etcd"
     signing.install(job_secret.signer_for(secret, args.rdzv_id))
-    addr = store_address.etcd(list(args.etcd_endpoints), args.rdzv_id)
+    addr = store_address.etcd(list(args.etcd_endpoints), args.rdzv_id, store_outage_s)
     where = f"etcd {addr.endpoint_text()}"
     start = time.monotonic()
     deadline, next_report = start + args.join_timeout_s, start + WAIT_REPORT_S

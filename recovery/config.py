@@ -44,6 +44,13 @@ class RecoveryConfig:
                           "depend on DDP's bucket layout, so recovered runs stay "
                           "bit-identical; costs (N-1)x the tensor in traffic"},
     )
+    store_outage_s: float = field(
+        default=15.0,
+        metadata={"help": "etcd job store: how long every member may be unreachable or "
+                          "without quorum before a store operation fails (training "
+                          "stalls meanwhile, then goes on; past it the job stops)",
+                  "min": 1.0},
+    )
     durable_fallback: bool = field(
         default=True,
         metadata={"help": "restart from the newest durable checkpoint when memory copies are lost"},

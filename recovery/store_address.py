@@ -24,6 +24,7 @@ from replication.errors import CheckpointlessError
 ETCD_SCHEME = "etcd://"
 #: Every job's keys live under this prefix in a shared etcd cluster, then its id.
 ETCD_KEY_ROOT = "checkpointless"
+DEFAULT_PATIENCE_S = 15.0
 
 
 class BadStoreAddress(CheckpointlessError, ValueError):
@@ -37,6 +38,10 @@ class StoreAddress:
     backend: str  # "c10d" or "etcd"
     endpoints: tuple[tuple[str, int], ...]
     job: str = ""
+    #: etcd: how long no member may answer (down, or no quorum) before an operation
+    #: fails (``recovery.store_outage_s``); carried in the address so every process of
+    #: the job waits out the same outage.
+    patience_s: float = DEFAULT_PATIENCE_S
 
     @property
     def is_etcd(self) -> bool:
@@ -52,7 +57,7 @@ class StoreAddress:
 
     def __str__(self) -> str:
         if self.is_etcd:
-            return f"{ETCD_SCHEME}{self.endpoint_text()}/{self.job}"
+            return f"{ETCD_SCHEME}{self.endpoint_text()}/{self.job}?patience={self.patience_s:g}"
         host, port = self.endpoints[0]
         return f"{host}:{port}"
 
@@ -61,10 +66,12 @@ def tcp(host: str, port: int) -> StoreAddress:
     return StoreAddress("c10d", ((host, int(port)),))
 
 
-def etcd(endpoints: list[tuple[str, int]] | tuple[tuple[str, int], ...], job: str) -> StoreAddress:
+def etcd(endpoints: list[tuple[str, int]] | tuple[tuple[str, int], ...], job: str,
+         patience_s: float = DEFAULT_PATIENCE_S) -> StoreAddress:
     if not endpoints:
         raise BadStoreAddress("an etcd store address needs at least one endpoint")
-    return StoreAddress("etcd", tuple((h, int(p)) for h, p in endpoints), job)
+    return StoreAddress("etcd", tuple((h, int(p)) for h, p in endpoints), job,
+                        float(patience_s))
 
 
 def parse(text: str) -> StoreAddress:
@@ -72,9 +79,16 @@ def parse(text: str) -> StoreAddress:
     if text.startswith(ETCD_SCHEME):
         rest = text[len(ETCD_SCHEME):]
         members, _, job = rest.partition("/")
+        job, _, query = job.partition("?")
         if not job:
             raise BadStoreAddress(f"store address {text!r}: no job after the members")
-        return etcd([_endpoint(m, text) for m in members.split(",") if m], job)
+        patience = DEFAULT_PATIENCE_S
+        if query.startswith("patience="):
+            try:
+                patience = float(query.removeprefix("patience="))
+            except ValueError:
+                raise BadStoreAddress(f"store address {text!r}: bad patience") from None
+        return etcd([_endpoint(m, text) for m in members.split(",") if m], job, patience)
     return StoreAddress("c10d", (_endpoint(text, text),))
 
 
@@ -93,6 +107,6 @@ def connect(address: StoreAddress | str, timeout_s: float = 60.0) -> dist.Store:
         from recovery.etcd_store import EtcdStore
 
         return EtcdStore([f"{h}:{p}" for h, p in addr.endpoints], prefix=addr.prefix,
-                         timeout=timeout)
+                         timeout=timeout, unavailable_after=addr.patience_s)
     host, port = addr.endpoints[0]
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)

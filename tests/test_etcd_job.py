@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from recovery import store_address
 from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
 from tests.recovery_harness import (
     REPO,
@@ -129,7 +130,7 @@ def test_a_finished_jobs_id_is_refused(tmp_path, cluster, reference):
     --rdzv-id is refused at once with the way out, instead of joining a finished job."""
     store = reference.events("agent_start")[0]["store"]
     assert store.startswith("etcd://"), store
-    job = store.rsplit("/", 1)[1]
+    job = store_address.parse(store).job
     cmd = [sys.executable, "-m", "launcher.cli", "run", "--nnodes", "2", "--node-rank", "0",
            "--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(cluster.endpoints),
            "--rdzv-id", job, "--rdzv-conf", "join_timeout=10", "--run-dir", str(tmp_path),
@@ -158,7 +159,7 @@ def test_a_forged_record_written_into_etcd_is_refused(tmp_path, cluster, referen
             if starts:
                 break
             time.sleep(0.1)
-        job = starts[0]["store"].rsplit("/", 1)[1]
+        job = store_address.parse(starts[0]["store"]).job
         rogue = EtcdStore(cluster.endpoints, prefix=f"checkpointless/{job}/")
         rogue.set(protocol.FATAL_KEY, '{"reason": "forged: stop the job"}')
 
@@ -201,3 +202,34 @@ def test_quorum_lost_for_a_few_seconds_and_back(tmp_path, cluster, reference):
     assert not job.events("failure_declared"), job.events("failure_declared")
     steps = [e["ts"] for e in job.events("step")]
     assert any(e > marks["back"] for e in steps), "the job ended before quorum came back"
+
+
+def test_a_quorum_loss_longer_than_the_patience_stops_the_job_with_one_line(tmp_path, cluster):
+    """Past ``recovery.store_outage_s`` without quorum, the job stops, and says why."""
+    def outage(run_dir):
+        def body() -> None:
+            time.sleep(4.0)
+            cluster.stop(1)
+            cluster.stop(2)
+        threading.Thread(target=body, daemon=True).start()
+
+    try:
+        job = run_job(tmp_path / "run", nnodes=2, timeout_s=120,
+                      etcd=",".join(cluster.endpoints), during=outage,
+                      overrides=["recovery.store_outage_s=4"])
+    finally:
+        for i in (1, 2):
+            cluster.start(i)
+    assert not job.timed_out, job.output()
+    assert any(code != 0 for code in job.returncodes.values()), job.returncodes
+    errs = "".join(a.stderr for a in job.agents.values())
+    assert "no etcd member answered" in errs and "for 4s" in errs, errs[-3000:]
+
+
+def test_store_addresses_round_trip():
+    addr = store_address.etcd([("h1", 2379), ("h2", 2380)], "job-1", 30.0)
+    assert str(addr) == "etcd://h1:2379,h2:2380/job-1?patience=30"
+    assert store_address.parse(str(addr)) == addr
+    assert store_address.parse("h:29500") == store_address.tcp("h", 29500)
+    with pytest.raises(store_address.BadStoreAddress):
+        store_address.parse("etcd://h1:2379")
