@@ -15,7 +15,7 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: setup setup-nemo demo test test-nemo test-fast test-slow bench lint clean
 
 setup: $(STAMP)
-	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so tests/test_etcd_store.py will skip (apt-get install etcd-server)"
+	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
 
 $(STAMP): pyproject.toml Makefile replication/_streamcopy.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -63,7 +63,9 @@ from recovery.recipe import CheckpointlessConfig, config_to_json
 from replication import contract
 from replication.errors import CheckpointlessError
 
-LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
+LINGER_S = 30.0
+#: How long an agent that reads "stopped by SIGINT" from another node waits for its own.
+SIGINT_GRACE_S = 0.5  # how long the store host waits for the other agents to see the end
 #: A pass of the agent's loop longer than this is reported (``agent_stalled``).
 STALL_REPORT_S = 2.0
 
@@ -137,8 +139,7 @@ class Agent(NodeLossHandling):
             if not self._check_storage() or not self._join():
                 if self._signal is not None:
                     return self._stop()
-                failure = protocol.fatal(self.store) or {}
-                return self._failed(str(failure.get("reason", failure)))
+                return self._fatal_exit(protocol.fatal(self.store) or {})
             if self.group is not None:
                 for local in range(self.args.nproc):
                     self._start_rank(self.group, local, replacement=False, restart_count=0)
@@ -302,7 +303,7 @@ class Agent(NodeLossHandling):
                 self._isolated_s = None  # in touch with the store again (see _on_isolated)
             failure = protocol.fatal(self.store)
             if failure is not None:
-                return self._failed(str(failure.get("reason", failure)))
+                return self._fatal_exit(failure)
             timer.lap("store")
             self._poll_workers(gen)
             timer.lap("workers")
@@ -469,6 +470,29 @@ class Agent(NodeLossHandling):
             return 1
         return 0
 
+    def _fatal_exit(self, failure: dict[str, Any]) -> int:
+        """End this node's part of a job that has a fatal record.
+
+        An operator's Ctrl-C reaches every agent of the terminal, one a moment after
+        another: the first to handle it records "stopped by SIGINT", and the others may
+        read that record before their own signal arrives. They stop as if they had been
+        interrupted (exit 130), not as a failed job: they wait a moment for their own
+        SIGINT and then say in one line that the job was stopped.
+        """
+        reason = str(failure.get("reason", failure))
+        if failure.get("signal") != "SIGINT":
+            return self._failed(reason)
+        deadline = time.monotonic() + SIGINT_GRACE_S
+        while self._signal is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._signal is not None:
+            return self._stop()
+        print(f"checkpointless: job stopped: {reason}", file=sys.stderr, flush=True)
+        self._stop_local()
+        self._emit(Event.AGENT_EXIT, signal=None, reason=reason)
+        self._mark_finished()
+        return contract.EXIT_INTERRUPTED
+
     def _failed(self, reason: str) -> int:
         print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)
         self._stop_local()
@@ -489,7 +513,8 @@ class Agent(NodeLossHandling):
         self._log(f"{name}: stopping this node's workers")
         if self.store is not None and (sig == signal.SIGINT or self.args.hosts_store):
             with contextlib.suppress(dist.DistError, RuntimeError):
-                protocol.set_fatal(self.store, f"node {self.node} stopped by {name}")
+                protocol.set_fatal(self.store, f"node {self.node} stopped by {name}",
+                                   signal=name)
         self._stop_local()
         self._emit(Event.AGENT_EXIT, signal=name)
         self._mark_finished()
