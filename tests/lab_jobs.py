@@ -20,6 +20,7 @@ from tests.recovery_harness import (
     JobResult,
     agent_command,
     clean_env,
+    wait_agents,
 )
 
 #: Modest detection so the jobs stay short; the agents check peers twice a second.
@@ -59,13 +60,7 @@ def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: in
             agents[node] = Agent(node, proc, out, err)
         if during is not None:
             during(run_dir)
-        deadline = t0 + timeout_s
-        for agent in agents.values():
-            try:
-                agent.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
+        timed_out = wait_agents(agents, t0 + timeout_s)
     finally:
         for agent in agents.values():
             if agent.proc.poll() is None:

@@ -148,6 +148,16 @@ def start_agent(cmd: list[str], node: int, logs: Path,
     return Agent(node, proc, out, err)
 
 
+def wait_agents(agents: dict[int, Agent], deadline: float) -> bool:
+    """Wait for every agent to exit by ``deadline`` (monotonic); True if one did not."""
+    for agent in agents.values():
+        try:
+            agent.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return True
+    return False
+
+
 def run_job(
     run_dir: Path,
     *,
@@ -192,13 +202,7 @@ def run_job(
             agents[node] = start_agent(cmd, node, run_dir / "logs", secret)
         if during is not None:
             during(run_dir)
-        deadline = t0 + timeout_s
-        for agent in agents.values():
-            try:
-                agent.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
+        timed_out = wait_agents(agents, t0 + timeout_s)
     finally:
         for agent in agents.values():
             if agent.proc.poll() is None:
