@@ -61,7 +61,11 @@ def _run(tmp_path, name: str, *args: str, fault: str = ""):
 
 
 def test_a_prefetched_batch_left_unregistered_is_reported(tmp_path):
-    job = _run(tmp_path, "hidden", fault="1:8:backward:sigkill")
+    # Rank 1 dies after step 8's replicas moved but before it acknowledged them, so step
+    # 8 is never committed and rank 0, which already ran it, must replay it. A kill in
+    # step 8's backward left it to timing: when step 7's commit had landed first (CI),
+    # the rollback went to 7, step 8 had never run before, and nothing was compared.
+    job = _run(tmp_path, "hidden", fault="1:8:replication:sigkill")
     assert_succeeded(job)
     diverged = job.events("replay_diverged")
     assert diverged, f"no replay was reported different\n{job.output()}"

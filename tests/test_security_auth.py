@@ -45,7 +45,8 @@ class _Landed:
 
     c10d's SET gets no reply, so a write on one socket may reach the server after an
     operation sent later on another socket (seen under load: a forger's value arriving
-    after our compare-and-set). A round trip on the same socket orders them.
+    after our compare-and-set; on CI, the store host's key check not yet visible to
+    another client). A round trip on the same socket orders them.
     """
 
     def __init__(self, store) -> None:
@@ -63,7 +64,7 @@ class _Landed:
 def stores():
     """The store server, and two more clients: one for us, one for the forger."""
     port = free_port()
-    master = tcp_store(port, is_master=True, timeout_s=30)
+    master = _Landed(tcp_store(port, is_master=True, timeout_s=30))
     return master, tcp_store(port, is_master=False, timeout_s=30), _Landed(tcp_store(
         port, is_master=False, timeout_s=30))
 
