@@ -113,13 +113,29 @@ def _same_final(ref: RunResult, got: RunResult, world: int) -> tuple[bool, str]:
     if sorted(ref.finals) != list(range(world)):
         return False, "the failure-free reference run did not finish every rank"
     if sorted(got.finals) != list(range(world)):
-        return False, f"final state written by ranks {sorted(got.finals)} only"
+        missing = sorted(set(range(world)) - set(got.finals))
+        return False, (f"final state written by ranks {sorted(got.finals)} only; "
+                       + "; ".join(_last_seen(got.events, r) for r in missing))
     for r in range(world):
         for key in FINAL_FIELDS:
             if got.finals[r].get(key) != ref.finals[r].get(key):
                 return False, (f"rank {r}: {key} differs from the failure-free run "
                                f"({got.finals[r].get(key)!r} != {ref.finals[r].get(key)!r})")
     return True, ""
+
+
+def _last_seen(events: list[dict], rank: int) -> str:
+    """What the events say last about ``rank``'s processes (the evidence for a rank that
+    wrote no final state: killed on its way out, fenced, never started)."""
+    about = [e for e in events if e.get("rank") == rank and e.get("event") in (
+        Event.WORKER_EXIT, Event.WORKER_HUNG, Event.WORKER_START, Event.FAULT_INJECTED)]
+    if not about:
+        return f"rank {rank}: no process event"
+    tail = ", ".join(
+        f"{e['event']}(" + " ".join(f"{k}={e[k]}" for k in ("node", "pid", "step", "exitcode",
+                                                            "signal", "kind") if k in e) + ")"
+        for e in about[-4:])
+    return f"rank {rank} last: {tail}"
 
 
 def _frontier(events: list[dict], started: float, stopped: float) -> tuple[int, float]:
