@@ -25,6 +25,16 @@ class ReplicationConfig:
     every_n_steps: int = field(
         default=1, metadata={"help": "snapshot (and replicate) every N steps", "min": 1}
     )
+    commit: str = field(
+        default="tree",
+        metadata={
+            "help": "how ranks agree a step is committed: 'tree' (acknowledgements up and "
+            "down a tree of ranks over the side channel, one store write per step: "
+            "ADR 0022) or 'store' (every rank counts itself in the job store: O(world) "
+            "store operations per step, the first version's protocol)",
+            "choices": ["tree", "store"],
+        },
+    )
     placement: str = field(
         default="ring",
         metadata={

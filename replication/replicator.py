@@ -13,8 +13,10 @@ and hands the rest of the round to a background thread:
 3. transfer: each rank sends its metadata and the segments its holders do not already
    hold (pure data parallelism sends almost nothing), chunked and pipelined, and
    receives the replicas it is meant to hold, verifying their checksums;
-4. commit: acknowledge the step in the store and wait until every rank has, then mark
-   the step committed locally so its buffers survive the next capture.
+4. commit: agree with every rank that every copy of the step exists (acknowledgements
+   up a tree of ranks, "committed" back down, rank 0 writes the one sealed store
+   record: :mod:`.commit_tree`, ADR 0022), then mark the step committed locally so its
+   buffers survive the next capture.
 
 The next ``snapshot`` waits for the previous round, which bounds memory to two buffers
 per copy. An error in a round (a dead peer, a timeout, a bad checksum) leaves the step
@@ -36,9 +38,10 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from replication import tags
+from replication import signing, tags
 from replication.checksum import ChecksumMismatch, Hasher
-from replication.commit import COMMITTED_KEY, CommitLedger
+from replication.commit import COMMITTED_KEY, CommitLedger, committed_step
+from replication.commit_tree import SideChannelTransport, TreeCommit
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.digest_copy import segment_trailer, verify_segments
 from replication.drift import DriftWatch
@@ -178,11 +181,20 @@ class Replicator:
             store, rank, world_size, prefix=f"{prefix}/side",
             timeout_s=self.config.timeout_s, hostname=hostname,
         )
-        self.ledger = CommitLedger(
-            store, world_size, ack_prefix=f"{prefix}/acks",
-            committed_key=committed_key or COMMITTED_KEY,
-            timeout_s=self.config.timeout_s,
-        )
+        self._store = store
+        self._committed_key = committed_key or COMMITTED_KEY
+        # The commit agreement (ADR 0022): over the side channel by default, one store
+        # write per step; the first version's store count is kept as an option.
+        self.tree: TreeCommit | None = None
+        self.ledger: CommitLedger | None = None
+        if self.config.commit == "tree":
+            self.tree = TreeCommit(rank, world_size, SideChannelTransport(self.channel),
+                                   self._record_committed)
+        else:
+            self.ledger = CommitLedger(
+                store, world_size, ack_prefix=f"{prefix}/acks",
+                committed_key=self._committed_key, timeout_s=self.config.timeout_s,
+            )
         # Every rank's node and expected state size: placement needs the nodes, the
         # budget the sizes of the states this rank will hold replicas of.
         expected = self._expected_state_bytes()
@@ -280,7 +292,27 @@ class Replicator:
 
     def committed_step(self) -> int:
         """The newest step every copy holds (from the store)."""
-        return self.ledger.committed_step()
+        return committed_step(self._store, self._committed_key)
+
+    def _record_committed(self, step: int) -> None:
+        """Rank 0, every acknowledgement in: write the sealed committed step. The
+        ``check`` after it is a round trip on the same connection, so the record has
+        reached the store before any rank learns the step is committed (a c10d ``set``
+        gets no reply of its own)."""
+        self._store.set(self._committed_key,
+                        signing.seal(self._committed_key, str(step)))
+        self._store.check([self._committed_key])
+
+    def _commit(self, step: int) -> None:
+        """Block until ``step`` is committed on every copy."""
+        if self.tree is not None:
+            self.tree.agree(step)
+            return
+        assert self.ledger is not None
+        self.ledger.ack(step)
+        self.ledger.wait_committed(step)
+        if self.rank == 0 and step > 0:
+            self.ledger.forget(step - 2 * self.config.every_n_steps)
 
     def restore_local(self, step: int) -> None:
         """Roll this rank back to its own snapshot of ``step``."""
@@ -315,12 +347,9 @@ class Replicator:
         if self._fault_hook is not None:
             self._fault_hook("replication", meta.step)
         t_moved = time.perf_counter()
-        self.ledger.ack(meta.step)
-        self.ledger.wait_committed(meta.step)
+        self._commit(meta.step)
         self.engine.protect(meta.step)
         self.replicas.protect(meta.step)
-        if self.rank == 0 and meta.step > 0:
-            self.ledger.forget(meta.step - 2 * self.config.every_n_steps)
         return RoundStats(
             meta.step, t_sealed - t0, t_moved - t_sealed, time.perf_counter() - t_moved,
             sent, received, skipped, overlapped,

@@ -1,12 +1,13 @@
 """Every message tag used on a replication side channel, allocated in one place.
 
-A side channel carries two protocols: the per-step replication round
-(:mod:`replication.replicator`) and the state handover of a recovery
-(:mod:`replication.handover`). A chunked send of one message uses ``tag + i`` for its
-``i``-th chunk (:meth:`replication.transport.SideChannel.post_send`), so each message
-owns a region of :data:`REGION` consecutive tags. Regions are numbered here, once, so
-no two messages can share a tag (the first version allocated them in two files, and
-segment 15's region began exactly at the handover's data tag).
+A side channel carries three protocols: the per-step replication round
+(:mod:`replication.replicator`), its commit agreement (:mod:`replication.commit_tree`)
+and the state handover of a recovery (:mod:`replication.handover`). A chunked send of
+one message uses ``tag + i`` for its ``i``-th chunk
+(:meth:`replication.transport.SideChannel.post_send`), so each message owns a region
+of :data:`REGION` consecutive tags. Regions are numbered here, once, so no two messages
+can share a tag (the first version allocated them in two files, and segment 15's
+region began exactly at the handover's data tag).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ _ROUND_META = _FIRST_SEGMENT + MAX_SEGMENTS
 _HANDOVER_HEADER = _ROUND_META + 1
 _HANDOVER_META = _HANDOVER_HEADER + 1
 _HANDOVER_DATA = _HANDOVER_META + 1
-_END = _HANDOVER_DATA + 1
+_COMMIT_ACK = _HANDOVER_DATA + 1
+_COMMIT_DONE = _COMMIT_ACK + 1
+_END = _COMMIT_DONE + 1
 
 #: A replication round: the snapshot metadata a rank sends each holder.
 ROUND_META = _ROUND_META * REGION
@@ -31,6 +34,10 @@ HANDOVER_HEADER = _HANDOVER_HEADER * REGION
 HANDOVER_META = _HANDOVER_META * REGION
 #: A handover: the whole snapshot buffer.
 HANDOVER_DATA = _HANDOVER_DATA * REGION
+#: The commit agreement (:mod:`replication.commit_tree`): a child's acknowledgement.
+COMMIT_ACK = _COMMIT_ACK * REGION
+#: The commit agreement: the root's "committed" passed down the tree.
+COMMIT_DONE = _COMMIT_DONE * REGION
 
 # gloo tags are C ints.
 assert _END * REGION < 1 << 31
