@@ -38,10 +38,13 @@ demo: setup
 
 # pytest writes its JUnit report only when the session ends; a missing report means the
 # run died part-way (say, something called os._exit) even if the exit status was 0.
+# Two xdist workers, one test file each at a time (--dist loadfile): most tests wait on
+# real processes and timeouts, so two files side by side fit the 20-minute budget on a
+# 2-core CI host (serial: 25 minutes there). Every test tolerates the other file's load.
 test: setup setup-nemo
 	$(PY) -m ruff check .
 	rm -f build/pytest-main.xml build/pytest-nemo.xml
-	$(PY) -m pytest -q --junitxml=build/pytest-main.xml
+	$(PY) -m pytest -q -n 2 --dist loadfile --junitxml=build/pytest-main.xml
 	test -s build/pytest-main.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
 	$(NEMO_PY) -m pytest -q tests/nemo_toolkit --junitxml=build/pytest-nemo.xml
 	test -s build/pytest-nemo.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
