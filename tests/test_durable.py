@@ -132,6 +132,23 @@ def test_plain_dcp_load_reads_a_checkpoint(saved):
     assert torch.equal(exp_avg, expected[6][0]["optim"]["state"][0]["exp_avg"])
 
 
+def test_plain_dcp_load_restores_a_whole_optimizer_and_scheduler(saved):
+    """As the PyTorch docs write it: ``dcp.load({"model": m.state_dict(), "optim":
+    opt.state_dict(), ...})`` then ``load_state_dict``. Non-tensor entries (``lr``,
+    ``betas``, the scheduler's counters) are stored as DCP byte items, so nothing is
+    silently left at its fresh value (issue 15)."""
+    root, _state, _objs, expected = saved
+    _fresh, objs = make_state(seed=5)
+    train(objs)  # Adam's state exists (a fresh optimizer's state_dict has none to fill)
+    objs["optim"].param_groups[0]["lr"] = 0.5  # must come back as the checkpoint's value
+    sd = {name: objs[name].state_dict() for name in ("model", "optim", "sched")}
+    dcp.load(sd, checkpoint_id=str(root / "step_6" / "rank_0"), no_dist=True)
+    for name in ("model", "optim", "sched"):
+        objs[name].load_state_dict(sd[name])
+        assert_tree_equal(objs[name].state_dict(), expected[6][0][name])
+    assert objs["optim"].param_groups[0]["lr"] == expected[6][0]["optim"]["param_groups"][0]["lr"]
+
+
 def test_submit_returns_at_once_and_releases_before_the_write(tmp_path):
     state, objs = make_state()
     engine = SnapshotEngine(state)

@@ -267,7 +267,8 @@ class RankSaver:
         self.progress = progress
         tracker = Tracker(progress)
         keys = tensor_keys(meta)
-        flat = tensor_dict(buf, meta, keys)
+        flat: dict[str, Any] = tensor_dict(buf, meta, keys)
+        flat.update(plain_values(buf, meta, set(flat)))
         ends = {key: seg.offset + spec.offset + spec.nbytes for seg in meta.layout.segments
                 for spec, key in zip(seg.tensors, keys[seg.name])}
         try:
@@ -371,6 +372,41 @@ def tensor_dict(
                 t = t.view(dtype).view(spec.shape)
             out[key] = t
     return out
+
+
+def plain_values(buf: torch.Tensor, meta: SnapshotMeta, taken: set[str]) -> dict[str, Any]:
+    """The state's non-tensor leaves under the keys DCP flattens them to
+    (``optim.param_groups.0.lr``), so that plain ``torch.distributed.checkpoint.load``
+    of a whole ``optimizer.state_dict()`` (or a scheduler's) finds every entry.
+
+    DCP stores them as byte items (``torch.save``). Our own loader never reads them: it
+    rebuilds the state from the sidecar's pickle-free skeleton, so nothing written here
+    is ever unpickled by the runtime. Keys a tensor already uses, and values that hold
+    tensors (DCP keeps a tuple of tensors whole), are left out.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from replication.layout import unflatten_segment
+
+    out: dict[str, Any] = {}
+    for seg in meta.layout.segments:
+        state = unflatten_segment(buf[seg.offset: seg.offset + seg.nbytes], seg,
+                                  meta.skeletons[seg.name])
+        flat, _ = flatten_state_dict({seg.name: state})
+        for key, value in flat.items():
+            if key not in taken and not _holds_tensor(value):
+                out[key] = value
+    return out
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def _root(exc: BaseException) -> BaseException:
