@@ -12,6 +12,8 @@ outcome:
 - weights, optimizer state, step, data order (``assert_same_final``);
 - every ``callback_metrics`` value callbacks saw after each validation and epoch, the
   final ``callback_metrics``, EarlyStopping's and ModelCheckpoint's states, the LR;
+- a third-party-style callback's plain attributes (no ``state_dict``): its batch count,
+  loss history and per-epoch sums;
 - every row of the CSV logger's ``metrics.csv``, in order, in the same ``version_0``
   directory (no rows twice, none missing, no second version);
 - the checkpoints written (names, which carry step and ``val_loss``).
@@ -38,7 +40,7 @@ pytestmark = pytest.mark.timeout(400)
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/lightning_scripts/conformance.py"
 FAST = ("recovery.heartbeat_timeout_s=10", "recovery.heartbeat_interval_s=0.5")
-OBSERVED = ("seen", "callback_metrics", "early_stopping", "model_checkpoint", "lr")
+OBSERVED = ("seen", "callback_metrics", "early_stopping", "model_checkpoint", "lr", "tally")
 STEPS = 18  # 3 epochs x 12 batches per rank / accumulate 2
 
 
@@ -91,6 +93,9 @@ def test_reference_is_observable(reference):
             "val_seen"} <= set(final["callback_metrics"])
     assert final["callback_metrics"]["val_seen"] == 48.0  # sum over 3 batches x 4 ranks x 4
     assert final["callback_metrics"]["train_seen"] == 48.0  # this rank's samples per epoch
+    # 192 samples / 4 ranks / batch 4 = 12 batches an epoch, 3 epochs
+    assert final["tally"]["batches"] == 36 and len(final["tally"]["losses"]) == 36
+    assert sorted(final["tally"]["per_epoch"]) == ["0", "1", "2"]
     rows = _rows(reference)
     assert len({r["step"] for r in rows if r.get("train_loss_step")}) == STEPS
     names = _checkpoints(reference)

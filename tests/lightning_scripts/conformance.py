@@ -149,6 +149,25 @@ class Seen(pl.Callback):
         self.history = json.loads(state_dict["history"])
 
 
+class Tally(pl.Callback):
+    """A third-party callback's habit: its state in plain attributes and no
+    ``state_dict`` (a batch count, a loss history, per-epoch sums). Lightning never sees
+    it; after a recovery it must equal the failure-free run's all the same."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.losses: list[float] = []
+        self.per_epoch: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = float(outputs["loss"])
+        self.batches += 1
+        self.losses.append(round(loss, 6))
+        self.per_epoch[trainer.current_epoch] = self.per_epoch.get(trainer.current_epoch,
+                                                                   0.0) + loss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=3)
@@ -158,7 +177,7 @@ def main() -> None:
     out = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR") or "."
     pl.seed_everything(0, verbose=False)
     model = Classifier(kill_in_validation=args.kill_in_validation, out=out)
-    order, seen = BatchOrder(), Seen()
+    order, seen, tally = BatchOrder(), Seen(), Tally()
     early = EarlyStopping(monitor="val_loss", patience=1000)
     best = ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), monitor="val_loss",
                            save_top_k=2, save_last=True,
@@ -170,7 +189,7 @@ def main() -> None:
         max_epochs=args.epochs, accumulate_grad_batches=2, val_check_interval=4,
         limit_val_batches=3, num_sanity_val_steps=0, log_every_n_steps=1,
         logger=CSVLogger(out, name="csv"), enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[order, seen, early, best, Plateau()],
+        enable_model_summary=False, callbacks=[order, seen, early, best, Plateau(), tally],
     )
     train = DataLoader(dataset(192, 0), batch_size=4, shuffle=True)
     val = DataLoader(dataset(48, 1), batch_size=4)
@@ -182,6 +201,8 @@ def main() -> None:
             "digest": state_digest(model, trainer.optimizers[0]),
             "data_order": order.digest, "position": order.batches,
             "seen": seen.history,
+            "tally": {"batches": tally.batches, "losses": tally.losses,
+                      "per_epoch": {str(k): round(v, 5) for k, v in tally.per_epoch.items()}},
             "callback_metrics": {k: _f(v) for k, v in sorted(trainer.callback_metrics.items())},
             "early_stopping": {k: _f(v) for k, v in early.state_dict().items()},
             "model_checkpoint": {

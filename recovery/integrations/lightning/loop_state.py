@@ -8,7 +8,11 @@ A Lightning checkpoint restores the model, optimizers, loops and callbacks, but 
 - the **states of torchmetrics** objects (non-persistent buffers by default);
 - the **logger connector's** metric dictionaries (``trainer.callback_metrics`` is what
   ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and ``ReduceLROnPlateau`` read)
-  and its loop-position flags, which decide when those accumulators are reset.
+  and its loop-position flags, which decide when those accumulators are reset;
+- the **plain attributes of third-party callbacks** that define no ``state_dict`` (a
+  batch counter, a loss history): Lightning never sees them. Callbacks that define
+  ``state_dict`` are trusted to return their whole state; Lightning's own carry the few
+  attributes listed in ``_HIDDEN``.
 
 :func:`capture` turns them into snapshot-codec values (tensors, numbers, strings) at a
 step boundary; :func:`restore` puts them back once Lightning has rebuilt its objects for
@@ -18,10 +22,13 @@ a resumed ``fit``. :func:`discard_attempt` drops what a failed attempt accumulat
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
 import torch
+
+from replication import codec
 
 log = logging.getLogger("checkpointless.lightning")
 
@@ -101,9 +108,46 @@ def _hidden_attrs(callback: Any) -> tuple[str, ...]:
     return ()
 
 
+def _is_lightnings(callback: Any) -> bool:
+    return type(callback).__module__.startswith(("lightning.", "pytorch_lightning."))
+
+
+def _keeps_own_state(callback: Any) -> bool:
+    """A callback class that defines ``state_dict`` is trusted to return its whole state
+    (Lightning restores it); capturing its attributes too could undo what its
+    ``load_state_dict`` set up for its next hook."""
+    import lightning.pytorch as pl
+
+    return type(callback).state_dict is not pl.Callback.state_dict
+
+
+def _plain_attrs(callback: Any) -> dict[str, Any]:
+    """A third-party callback's attributes that the snapshot codec can carry: numbers,
+    strings, tensors and containers of them (a counter, a history list, a best score).
+
+    Many callbacks keep such state in plain attributes with no ``state_dict``: after a
+    recovery, a survivor's would include the failed attempt's batches and a
+    replacement's would start from zero. References to the trainer, the module, open
+    files or other objects are left alone (they are rebuilt, not state).
+    """
+    out: dict[str, Any] = {}
+    for name, value in vars(callback).items():
+        try:
+            codec.encode(value, lambda _t, _p: 0)
+        except (codec.CodecError, TypeError, ValueError, RecursionError):
+            continue
+        out[name] = copy.deepcopy(value)
+    return out
+
+
+def _callback_attrs(callback: Any) -> dict[str, Any]:
+    if _is_lightnings(callback) or _keeps_own_state(callback):
+        return {attr: getattr(callback, attr) for attr in _hidden_attrs(callback)}
+    return _plain_attrs(callback)
+
+
 def _capture_callbacks(trainer: Any) -> list[dict[str, Any]]:
-    return [{attr: getattr(cb, attr) for attr in _hidden_attrs(cb)}
-            for cb in trainer.callbacks]
+    return [_callback_attrs(cb) for cb in trainer.callbacks]
 
 
 def _restore_callbacks(trainer: Any, saved: list[dict[str, Any]]) -> None:
@@ -184,8 +228,25 @@ def _restore_metrics(module: Any, states: dict[str, Any]) -> None:
         metric._computed = None
 
 
+def _owned(value: Any) -> Any:
+    """``value`` with every tensor cloned. A restored snapshot's tensors are views into
+    its slot (or the handover's buffer); Lightning's accumulators and torchmetrics
+    states are updated in place (``self.total += n``), which would write into the
+    snapshot, and the slot is reused by a later capture."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_owned(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_owned(v) for v in value)
+    return value
+
+
 def restore(trainer: Any, state: dict[str, Any]) -> None:
     """Put the captured observable state back (after Lightning reset it for a new fit)."""
+    state = _owned(state)
     _restore_callbacks(trainer, state["callbacks"])
     _restore_results(trainer, trainer.fit_loop.epoch_loop._results, state["train_results"])
     _restore_metrics(trainer.lightning_module, state["metrics"])
