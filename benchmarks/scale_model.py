@@ -1,0 +1,182 @@
+"""The model to 16,384 ranks: growth-law fits, the tree commit's critical path, the store
+queue, and a node loss's recovery time composed from its parts.
+
+Everything measurable is calibrated by ``benchmarks/bench_scale.py`` in the same run
+(:class:`Calibration`); everything that is not is an :class:`Assumptions` field, stated
+in ``docs/scale.md`` with its source where one exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from replication.commit_tree import FANOUT
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured in the bench's own run."""
+
+    link_s: float  # gloo one-way latency of one int64 on loopback (round trip / 2)
+    send_s: float  # time a gloo send call takes to return (the sender is busy this long)
+    record_s: float  # rank 0's sealed set + check on the store, uncontended
+    cpu_per_rank_step_s: float  # protocol CPU a rank spends in one agree (harness mean)
+    request_s: float  # one store request's round trip, one client, uncontended
+    per_key_s: float  # each extra key of a multi_get of join-record-sized values
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the harness cannot measure here. Defaults are stated in docs/scale.md."""
+
+    ranks_per_node: int = 8
+    heartbeat_timeout_s: float = 30.0  # recovery.heartbeat_timeout_s default
+    heartbeat_interval_s: float = 1.0  # recovery.heartbeat_interval_s default
+    state_bytes_per_rank: float = 8 * 2**30  # one rank's training state
+    handover_copies: int = 2  # the newcomer's state + its source's (reseed, ADR 0018)
+    side_bandwidth_Bps: float = 12.5e9  # per rank, gloo over TCP on a 100 Gb/s share
+    pg_init_base_s: float = 2.0  # process-group re-creation, fixed part
+    pg_init_s_at_16k: float = 10.0  # ... reaching this at 16,384 ranks (linear in N)
+
+
+# --- fits ---------------------------------------------------------------------------
+
+
+def fit_power(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+    """Least squares of log y = log a + b log x: y = a * x^b."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(max(y, 1e-12)) for y in ys]
+    b, la, r2 = _linreg(lx, ly)
+    return {"law": "a*N^b", "a": math.exp(la), "b": b, "r2": r2}
+
+
+def fit_log(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+    """Least squares of y = a + b * log2 x."""
+    b, a, r2 = _linreg([math.log2(x) for x in xs], list(ys))
+    return {"law": "a+b*log2(N)", "a": a, "b": b, "r2": r2}
+
+
+def _linreg(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((a - mx) ** 2 for a in x)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    slope = sxy / sxx if sxx else 0.0
+    icpt = my - slope * mx
+    ss_res = sum((b - (icpt + slope * a)) ** 2 for a, b in zip(x, y))
+    ss_tot = sum((b - my) ** 2 for b in y)
+    return slope, icpt, 1.0 - ss_res / ss_tot if ss_tot else 1.0
+
+
+def evaluate(fit: dict[str, float], n: float) -> float:
+    if fit["law"] == "a*N^b":
+        return fit["a"] * n ** fit["b"]
+    return fit["a"] + fit["b"] * math.log2(n)
+
+
+def best_fit(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float | str]:
+    """Both laws, and which explains the points better (higher R^2 in y's own units:
+    the power law's R^2 is taken on its predictions, not on logs, to compare fairly)."""
+    p, g = fit_power(xs, ys), fit_log(xs, ys)
+    my = sum(ys) / len(ys)
+    ss_tot = sum((y - my) ** 2 for y in ys) or 1.0
+
+    def r2(f: dict[str, float]) -> float:
+        return 1.0 - sum((y - evaluate(f, x)) ** 2 for x, y in zip(xs, ys)) / ss_tot
+
+    p["r2_y"], g["r2_y"] = r2(p), r2(g)
+    best = p if p["r2_y"] >= g["r2_y"] else g
+    return {"best": best["law"], "power": p, "log": g,
+            "exponent": p["b"]}  # type: ignore[dict-item]
+
+
+# --- commit -------------------------------------------------------------------------
+
+
+def tree_commit_s(n: int, cal: Calibration, fanout: int = FANOUT) -> float:
+    """Critical path of one :class:`TreeCommit` agreement over ``n`` ranks, by the
+    harness's own cost rules (a discrete-event pass over the real tree shape): a rank
+    spends its protocol CPU, waits for each child's acknowledgement in turn, sends its
+    own up (busy ``send_s``, arriving ``link_s`` after it began), waits for "committed"
+    and passes it to each child in turn; rank 0 writes the record in between."""
+    up = [0.0] * n  # when rank r's ack reaches its parent
+    ready = [0.0] * n  # when rank r, acks in, has sent its own ack up
+    for r in range(n - 1, -1, -1):
+        t = cal.cpu_per_rank_step_s
+        for c in range(fanout * r + 1, min(fanout * r + 1 + fanout, n)):
+            t = max(t, up[c])
+        if r == 0:
+            t += cal.record_s
+        else:
+            up[r] = t + cal.link_s
+            t += cal.send_s
+        ready[r] = t
+    down = [0.0] * n  # when "committed" reaches rank r
+    end = 0.0
+    for r in range(n):
+        t = ready[r] if r == 0 else max(ready[r], down[r])
+        for c in range(fanout * r + 1, min(fanout * r + 1 + fanout, n)):
+            down[c] = t + cal.link_s
+            t += cal.send_s
+        end = max(end, t)
+    return end
+
+
+def ledger_commit_queue_s(requests_per_step: float, cal: Calibration) -> float:
+    """The store count's commit in the store-queue model: every request of a step
+    (N adds, N waits, 2 sets) is served one after another by the store's one thread,
+    each taking the uncontended request time."""
+    return requests_per_step * cal.request_s
+
+
+def tree_store_queue_s(requests_per_step: float, cal: Calibration) -> float:
+    """The tree commit's store part in the same model (rank 0's set + check)."""
+    return requests_per_step * cal.request_s
+
+
+# --- recovery -----------------------------------------------------------------------
+
+
+def detection_s(a: Assumptions) -> float:
+    """A lost node is declared when its heartbeat has not grown for the timeout, seen
+    by a watcher that looks once per interval: up to timeout + interval."""
+    return a.heartbeat_timeout_s + a.heartbeat_interval_s
+
+
+def handover_s(a: Assumptions) -> float:
+    return a.handover_copies * a.state_bytes_per_rank / a.side_bandwidth_Bps
+
+
+def pg_init_s(n: int, a: Assumptions) -> float:
+    return a.pg_init_base_s + (a.pg_init_s_at_16k - a.pg_init_base_s) * n / 16384
+
+
+def rendezvous_s(n: int, fits: dict[str, dict], cal: Calibration) -> float:
+    """The store serves every request and key of the rendezvous one after another; each
+    rank's own CPU (verifying records, the plan) runs in parallel on its own host, so
+    the busiest rank's adds once; plus one poll interval (5 ms) to notice completion."""
+    req = evaluate(fits["requests"]["power"], n)
+    keys = evaluate(fits["keys"]["power"], n)
+    cpu = evaluate(fits["cpu_max_rank_s"]["power"], n)
+    return req * cal.request_s + keys * cal.per_key_s + cpu + 0.005
+
+
+def recovery_s(n: int, fits: dict[str, dict], cal: Calibration,
+               a: Assumptions) -> dict[str, float]:
+    parts = {"detection_s": detection_s(a), "rendezvous_s": rendezvous_s(n, fits, cal),
+             "handover_s": handover_s(a), "pg_init_s": pg_init_s(n, a)}
+    parts["total_s"] = sum(parts.values())
+    return parts
+
+
+def liveness_store_load(nodes: int, req_per_agent: float, keys_per_agent: float,
+                        cal: Calibration, interval_s: float) -> float:
+    """Fraction of the store's time liveness takes (1.0: saturated), every agent
+    beating and checking once per interval."""
+    return nodes * (req_per_agent * cal.request_s + keys_per_agent * cal.per_key_s) / interval_s
+
+
+def as_dict(x: Calibration | Assumptions) -> dict[str, float]:
+    return dict(asdict(x))
