@@ -14,19 +14,33 @@ and publishes it as ONE sealed record, ``cl/g{G}/plan``, with a compare-and-set
 act on the same bytes: they agree by construction, not because N ranks happened to
 compute the same function of N reads.
 
-Cost per recovery, in store requests and keys touched, N ranks (measured with
-``tests/test_rendezvous_scale.py``'s counting store on a real TCPStore, all ranks
-joining at once; "keys" counts every key a request names, so ``check`` of N keys is N):
+Cost per recovery, in store requests and keys named, N ranks: measured with
+``tests/test_rendezvous_scale.py``'s counting store on a real TCPStore (one thread and
+one client per rank, each also running the runtime's generation and fencing checks;
+"keys" counts every key a request names, so a ``check`` of N keys counts N). "Together":
+every rank joins at once; "one late": one newcomer joins 0.5 s after the others (a warm
+spare), so everyone else polls meanwhile.
 
-TABLE_TBD
+=================  =========================  =========================
+N, case            before: requests / keys    now: requests / keys
+=================  =========================  =========================
+16, together       171 / 876                  144 / 172
+16, one late       3,022 / 17,512             743 / 771
+64, together       699 / 12,732               591 / 715
+64, one late       12,102 / 258,306           3,091 / 3,215
+=================  =========================  =========================
+
+Per rank that is 55 / 199 keys (together) and 1,094 / 4,036 keys (one late) before, at
+N=16 / 64, against 11 and 48-50 keys now at both sizes.
 
 Before, every rank's every poll checked all N join keys and every rank finally read all
 N records: O(N) keys per rank per poll, O(N^2) per recovery. Now a rank makes 2 writes
 (its record, the counter) and polls one key with a backoff (2 ms growing to 50 ms), plus
-a generation check at most every 20 ms; only the planner reads N keys, twice (one
-``check``, one ``multi_get``). The requests per rank depend on how long the rendezvous
-waits (a booting replacement makes everyone wait), never on N; the keys per rank are
-the same number plus the planner's 2N.
+a generation check at most every 20 ms and a fencing check at most every 100 ms; only
+the planner reads N keys, twice (one ``check``, one ``multi_get`` of the N-1 records it
+does not hold), then the committed step and one compare-and-set. So a recovery costs
+N * (4 + 3 * polls(T)) + 2N keys in all, where polls(T) grows with how long the
+rendezvous waits (a booting replacement makes everyone wait), never with N.
 
 Failures around the planner (``docs/adr/0024-planner-rendezvous.md``):
 
