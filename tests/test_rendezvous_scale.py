@@ -9,10 +9,12 @@ Run with ``-s`` to see the measured totals (the figures in ``recovery/rendezvous
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,18 +138,20 @@ def run_ranks(master: Any, ranks: list[int], n: int, *, takeover_s: float = rdzv
               timeout_s: float = 60.0, gen: int = GEN,
               before: threading.Event | None = None,
               records: Any = record_of, late: dict[int, float] | None = None,
-              join: Any = None) -> list[Rank]:
+              join: Any = None, connect: Any = None) -> list[Rank]:
     """Run ``agree`` for ``ranks`` of an ``n``-rank job, one thread and one store client
     each, all released together (rank ``r`` then sleeps ``late[r]`` seconds first);
     ``before`` set once every client is connected. ``join`` replaces ``agree`` (the
-    measurement of the rendezvous this one replaced)."""
+    measurement of the rendezvous this one replaced); ``connect()`` makes a client of
+    another store than ``master``'s TCPStore."""
     people = [Rank(r, None) for r in ranks]  # type: ignore[arg-type]
     barrier = threading.Barrier(len(people) + 1)
 
     def one(p: Rank) -> None:
         # Connected here, in parallel: a TCPStore client now and then takes seconds to
         # connect on this host (a name lookup), and 64 in a row would add those up.
-        cs = p.store = CountingStore(tcp_store(master.port, is_master=False, timeout_s=60))
+        cs = p.store = CountingStore(connect() if connect else tcp_store(
+            master.port, is_master=False, timeout_s=60))
         node = p.rank // per_node(n)
 
         def fenced() -> str | None:  # what the runtime's _fenced reads
@@ -302,3 +306,30 @@ def test_a_newer_generation_ends_the_wait(master):
     gens = iter([GEN, GEN, GEN + 1])
     with pytest.raises(GenerationChanged, match="superseded by 2"):
         agree(cs, GEN, record_of(0, n), n, 30, lambda: next(gens, GEN + 1), lambda: STEP)
+
+
+def test_the_same_rendezvous_over_etcd(master):
+    """The production job store (ADR 0020) gives the same answer at the same cost shape:
+    its ``add`` and ``compare_set`` are what the count and the plan rely on."""
+    from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
+
+    if (why := etcd_missing_reason()) is not None:
+        pytest.skip(why)
+    from recovery.etcd_store import EtcdStore
+
+    n = 16
+    with EtcdCluster(1) as cluster:
+        prefix = f"/test/{uuid.uuid4().hex}/"
+
+        def connect() -> EtcdStore:
+            return EtcdStore(cluster.endpoints, prefix, datetime.timedelta(seconds=10))
+
+        setup = connect()
+        protocol.declare_failure(setup, 0, {"kind": "worker_exit", "rank": 1, "ts": time.time()})
+        auth.put(setup, COMMITTED_KEY, str(STEP))
+        people = run_ranks(master, list(range(n)), n, connect=connect)
+    plan, impossible = agreed(people)
+    assert (plan, impossible) == (RecoveryPlan(GEN, STEP, expected_providers(n), plan.planner),
+                                  None)
+    assert {p.rank: p.store.bulk for p in people if p.store.bulk} == {
+        plan.planner: [("check", n - 1), ("multi_get", n - 1)]}
