@@ -23,7 +23,7 @@ import pytest
 
 from recovery import auth, protocol
 from recovery import rendezvous as rdzv
-from recovery.errors import RecoveryImpossible
+from recovery.errors import Fenced, RecoveryImpossible
 from recovery.protocol import JoinRecord
 from recovery.rendezvous import GenerationChanged, RecoveryPlan, agree
 from replication import signing
@@ -206,7 +206,9 @@ def wait_bound(elapsed: float) -> int:
 def test_rendezvous_cost_is_linear_and_every_rank_gets_the_same_plan(master, n, late_s):
     """All ranks at once, and one newcomer 0.5 s late (a warm spare taking over), so
     that everyone else polls while it comes."""
-    people = run_ranks(master, list(range(n)), n, late={1: late_s})
+    # No takeover here (its own test below): on a starved host a planner thread can be
+    # descheduled for seconds, and this test counts the path without one.
+    people = run_ranks(master, list(range(n)), n, late={1: late_s}, takeover_s=60)
     plan, impossible = agreed(people)
     assert impossible is None
     assert plan == RecoveryPlan(GEN, STEP, expected_providers(n), plan.planner)
@@ -333,3 +335,37 @@ def test_the_same_rendezvous_over_etcd(master):
                                   None)
     assert {p.rank: p.store.bulk for p in people if p.store.bulk} == {
         plan.planner: [("check", n - 1), ("multi_get", n - 1)]}
+
+
+def test_a_waiter_puts_its_clobbered_record_back(master):
+    """Rank 0 waits (rank 1 has not joined); a forger overwrites its record, then deletes
+    it: within about a second each time it is back, and rank 1's plan is made from it."""
+    n = 2
+    key = protocol.join_key(GEN, 0)
+    rogue = tcp_store(master.port, is_master=False, timeout_s=30)
+    out: list[Rank] = []
+    waiter = threading.Thread(target=lambda: out.extend(run_ranks(master, [0], n)))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not master.check([key]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sealed = bytes(master.get(key))
+    for clobber in (lambda: rogue.set(key, b"forged"), lambda: rogue.delete_key(key)):
+        clobber()
+        rogue.check([key])  # landed
+        until = time.monotonic() + 3 * rdzv.REPAIR_CHECK_S
+        while not (master.check([key]) and bytes(master.get(key)) == sealed):
+            assert time.monotonic() < until, "rank 0 did not put its record back"
+            time.sleep(0.05)
+    [late] = run_ranks(master, [1], n)
+    waiter.join(30)
+    assert agreed([*out, late])[0] == RecoveryPlan(GEN, STEP, {1: 0}, planner=1)
+
+
+def test_a_fenced_waiter_leaves(master):
+    cs = tcp_store(master.port, is_master=False, timeout_s=30)
+    calls = iter([None, None])
+    with pytest.raises(Fenced, match="taken over"):
+        agree(cs, GEN, record_of(0, 3), 3, 30, lambda: GEN, lambda: STEP,
+              lambda: next(calls, "node 0 was taken over"))
