@@ -127,7 +127,7 @@ class DurableTier:
         if step is None:
             raise RecoveryImpossible(f"{reason}; and the durable tier at {path!r} holds no "
                                      "complete checkpoint yet")
-        return RecoveryPlan(plan.gen, step, plan.records, {}), self.bytes_read
+        return RecoveryPlan(plan.gen, step, {}), self.bytes_read
 
     def restore(self, replicator: Replicator, gen: int, event: Event,
                 reason: str) -> int | None:

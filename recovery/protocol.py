@@ -54,6 +54,22 @@ def join_key(gen: int, rank: int) -> str:
     return f"{gen_prefix(gen)}/join/{rank}"
 
 
+def join_count_key(gen: int) -> str:
+    """Counter of the joins of ``gen`` (``store.add``, not sealed: a hint). The rank whose
+    add reaches the world size plans the generation (:mod:`recovery.rendezvous`)."""
+    return f"{gen_prefix(gen)}/join_count"
+
+
+def plan_key(gen: int) -> str:
+    """The sealed recovery plan of ``gen``, written once (compare-and-set) by its planner."""
+    return f"{gen_prefix(gen)}/plan"
+
+
+def plan_takeover_key(gen: int) -> str:
+    """Counter of the ranks that took over planning ``gen`` from a silent planner."""
+    return f"{gen_prefix(gen)}/plan_takeover"
+
+
 def cause_key(gen: int) -> str:
     return f"{gen_prefix(gen)}/cause"
 

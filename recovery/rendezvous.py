@@ -1,17 +1,67 @@
-"""A generation's rendezvous and the recovery plan every rank derives from it.
+"""A generation's rendezvous: every rank joins, one rank plans, everyone adopts its plan.
 
-Each rank (survivor or replacement) publishes a :class:`JoinRecord` for the new
-generation: which of its own snapshots it holds and which replicas it keeps for
-others. Once all ranks have joined, every rank computes the same plan from the same
-records: the target is the newest committed step; ranks that hold their own snapshot
-of it roll back locally; every other rank receives its state from the lowest-ranked
-survivor holding a replica of it. If some rank's state has no copy left, the plan says
-exactly whose and why.
+Each rank (survivor or replacement) publishes a sealed :class:`JoinRecord` for the new
+generation (which of its own snapshots it holds and which replicas it keeps for
+others) and counts itself in with ``store.add`` on the generation's join counter. The
+rank whose add reaches the world size is the *planner*: no fixed rank, so the rendezvous
+does not depend on rank 0 (or any rank) having survived. The planner reads the N
+records once, reads the committed step, computes the plan (:func:`make_plan`: the
+target is the newest committed step; ranks that hold their own snapshot of it roll back
+locally; every other rank receives its state from the lowest-ranked survivor holding a
+replica of it; if some state has no copy left, the reason says exactly whose and why)
+and publishes it as ONE sealed record, ``cl/g{G}/plan``, with a compare-and-set
+(:func:`recovery.auth.claim`). Every other rank polls that one key. All ranks therefore
+act on the same bytes: they agree by construction, not because N ranks happened to
+compute the same function of N reads.
+
+Cost per recovery, in store requests and keys named, N ranks: measured with
+``tests/test_rendezvous_scale.py``'s counting store on a real TCPStore (one thread and
+one client per rank, each also running the runtime's generation and fencing checks;
+"keys" counts every key a request names, so a ``check`` of N keys counts N). "Together":
+every rank joins at once; "one late": one newcomer joins 0.5 s after the others (a warm
+spare), so everyone else polls meanwhile.
+
+=================  =========================  =========================
+N, case            before: requests / keys    now: requests / keys
+=================  =========================  =========================
+16, together       171 / 876                  144 / 172
+16, one late       3,022 / 17,512             743 / 771
+64, together       699 / 12,732               591 / 715
+64, one late       12,102 / 258,306           3,091 / 3,215
+=================  =========================  =========================
+
+Per rank that is 55 / 199 keys (together) and 1,094 / 4,036 keys (one late) before, at
+N=16 / 64, against 11 and 48-50 keys now at both sizes.
+
+Before, every rank's every poll checked all N join keys and every rank finally read all
+N records: O(N) keys per rank per poll, O(N^2) per recovery. Now a rank makes 2 writes
+(its record, the counter) and polls one key with a backoff (2 ms growing to 50 ms), plus
+a generation check at most every 20 ms and a fencing check at most every 100 ms; only
+the planner reads N keys, twice (one ``check``, one ``multi_get`` of the N-1 records it
+does not hold), then the committed step and one compare-and-set. So a recovery costs
+N * (4 + 3 * polls(T)) + 2N keys in all, where polls(T) grows with how long the
+rendezvous waits (a booting replacement makes everyone wait), never with N.
+
+Failures around the planner (``docs/adr/0024-planner-rendezvous.md``):
+
+- records that are forged or missing when the planner reads them (a forger bumped the
+  counter early, a record was clobbered) are re-read, and only those, until valid
+  ones are there: a forged counter delays the plan, it never changes it;
+- a planner that dies (or hangs) before publishing: its agent declares a new
+  generation, which ends this rendezvous for everyone (:class:`GenerationChanged`).
+  Before that, a rank that sees the counter complete for :data:`TAKEOVER_S` with no
+  plan takes a ticket, and the first :data:`MAX_TAKEOVERS` tickets plan too. They
+  publish through the same compare-and-set, so there is still one plan;
+- a waiter whose deadline passes reads the N records once to name the missing ranks
+  (:func:`missing_rank`: it waits on for a process on its way, else
+  :class:`RecoveryImpossible`); if nobody is missing after all, it plans itself;
+- a rank that joins after the plan was published (a join counted past N) finds it at
+  its first poll.
 """
 
 from __future__ import annotations
 
-import itertools
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +72,7 @@ import torch.distributed as dist
 
 from recovery import auth, protocol
 from recovery.errors import Fenced, RecoveryImpossible
-from recovery.protocol import JoinRecord, join_key
+from recovery.protocol import JoinRecord, join_count_key, join_key, plan_key, plan_takeover_key
 from replication.errors import CheckpointlessError
 
 
@@ -32,107 +82,268 @@ class GenerationChanged(CheckpointlessError, RuntimeError):
 
 @dataclass(frozen=True)
 class RecoveryPlan:
+    """What every rank does to reach the generation's target step."""
+
     gen: int
     target_step: int
-    records: dict[int, JoinRecord]
     providers: dict[int, int]  # rank that needs its state -> rank that sends it
+    planner: int = -1  # the rank that published it (-1: not from a rendezvous)
 
     @property
     def newcomers(self) -> list[int]:
         return sorted(self.providers)
 
 
-FAST_POLLS = 60
-"""Polls made every 5 ms before :func:`join` slows to one every 50 ms (about 0.3 s)."""
+FAST_POLL_S = 0.002
+"""The first wait between two polls of the plan; each next one is :data:`POLL_GROWTH`
+times longer, up to :data:`SLOW_POLL_S` (reached after about 0.25 s)."""
+POLL_GROWTH = 1.2
+SLOW_POLL_S = 0.05
+"""A rendezvous that waits for a process to boot or a node to take over lasts seconds;
+polling faster then only loads the store's serving thread, which every agent's heartbeat
+shares. A recovery with a warm spare completes while polls are still fast."""
+GEN_CHECK_S = 0.02
+"""How often a waiting rank checks for a newer generation (one ``check``)."""
+FENCE_CHECK_S = 0.1
+"""How often a waiting rank checks that it still owns its rank (``fenced``)."""
+REPAIR_CHECK_S = 1.0
+"""How often a waiting rank checks that its own join record is still there and intact."""
+TAKEOVER_S = 2.0
+"""How long the join counter must have said "everyone joined", with no plan published,
+before a waiting rank takes a ticket to plan in the planner's place (it reads the
+counter once per this interval)."""
+MAX_TAKEOVERS = 2
+"""Tickets that lead to planning: the takeover costs at most this many N-key reads."""
 
 
-def join(
+def agree(
     store: dist.Store,
     gen: int,
     record: JoinRecord,
     world_size: int,
     timeout_s: float,
     current_gen: Callable[[], int],
+    committed_step: Callable[[], int],
     fenced: Callable[[], str | None] = lambda: None,
-) -> dict[int, JoinRecord]:
-    """Publish ``record`` (sealed) for ``gen`` and wait until every rank has joined.
+    *,
+    takeover_s: float = TAKEOVER_S,
+) -> tuple[RecoveryPlan, str | None]:
+    """Join ``gen`` with ``record`` and return the generation's plan, and the reason the
+    plan is impossible (then its target is -1) or None. Every rank gets the same pair.
+
+    ``committed_step()`` is called by the planner only; a :class:`RecoveryImpossible` it
+    raises (an untrusted commit record) becomes the plan's impossible reason, so every
+    rank reaches the same verdict, as for a plan that finds some state with no copy.
 
     Only validly sealed records count (:mod:`recovery.auth`): a forged one reads as "not
-    joined yet", a rank whose own record was overwritten or deleted writes it again, and
-    a record once verified is kept, so clobbering it afterwards changes nothing.
+    joined yet", a rank whose own record was overwritten or deleted writes it again
+    (checked every :data:`REPAIR_CHECK_S`), and a record once verified is kept. A forged
+    plan record reads as "no plan yet"; a planner replaces it.
 
     ``fenced()`` returns a reason when this process no longer owns its rank (its node
-    was taken over); it is checked before publishing and every 50-100 ms while waiting,
-    and raises :class:`Fenced`, so a stale process never stands in for its replacement.
-
-    It polls every 5 ms for the first :data:`FAST_POLLS` polls (a recovery with a warm
-    spare completes within them) and every 50 ms after that. A rendezvous that waits for
-    a process to boot or a node to take over lasts seconds, and at 5 ms each waiting
-    rank sends the store's one serving thread several hundred requests a second, load
-    that competes with every agent's heartbeat on a busy host.
+    was taken over); it is checked before publishing and every :data:`FENCE_CHECK_S`
+    while waiting, and raises :class:`Fenced`, so a stale process never stands in for
+    its replacement. A newer generation raises :class:`GenerationChanged`.
     """
     if (why := fenced()) is not None:
         raise Fenced(why)
-    own = join_key(gen, record.rank)
-    sealed = publish_join(store, gen, record)
-    keys = [join_key(gen, r) for r in range(world_size)]
-    seen: dict[int, JoinRecord] = {record.rank: record}
-    deadline = time.monotonic() + timeout_s
-    extensions = 0
-    for polls in itertools.count(1):
-        if (polls % 20 == 0 or polls > FAST_POLLS) and (why := fenced()) is not None:
-            raise Fenced(why)
-        if store.check(keys):
-            for r, (key, raw) in enumerate(zip(keys, store.multi_get(keys))):
-                if r == record.rank:
-                    if bytes(raw) != sealed and auth.open_value(key, raw) is None:
-                        store.set(own, sealed)  # a forger overwrote it: put it back
-                elif r not in seen and (payload := auth.open_value(key, raw)) is not None:
-                    seen[r] = JoinRecord.from_json(payload)
-            if len(seen) == world_size:
-                return dict(sorted(seen.items()))
-        elif not store.check([own]):
-            store.set(own, sealed)  # deleted by someone: put it back
-        if current_gen() != gen:
-            raise GenerationChanged(f"generation {gen} superseded by {current_gen()}")
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if r not in seen
-                       and not _joined(store, keys[r], seen, r)]
-            if not missing:
-                return dict(sorted(seen.items()))
-            seen_of = {r: missing_rank(store, r) for r in missing}
-            if any(m.on_its_way for m in seen_of.values()):
-                # A live process is on its way (a replacement still starting, a survivor
-                # still leaving a collective): never give up on it. Its agent kills it
-                # if it hangs once armed, which ends this wait; until then, say why we
-                # wait, once per timeout, so a long wait is never a silent one.
-                extensions += 1
-                deadline = time.monotonic() + timeout_s
-                print(f"checkpointless: generation {gen}: still waiting for ranks {missing} "
-                      f"after {timeout_s * extensions:.0f}s: "
-                      + "; ".join(m.describe() for m in seen_of.values()),
-                      file=sys.stderr, flush=True)
-                continue
-            waited = timeout_s * (1 + extensions)
-            raise RecoveryImpossible(
-                f"generation {gen}: ranks {missing} did not rejoin within {waited:.0f}s: "
-                + "; ".join(m.describe() for m in seen_of.values()))
-        time.sleep(0.005 if polls < FAST_POLLS else 0.05)
+    sealed, count = publish_join(store, gen, record)
+    rdzv = _Rendezvous(store, gen, record, sealed, world_size, timeout_s, current_gen, fenced)
+    if count == world_size:
+        return rdzv.plan(committed_step)
+    return rdzv.await_plan(committed_step, takeover_s)
 
 
-def publish_join(store: dist.Store, gen: int, record: JoinRecord) -> bytes:
-    """Seal and publish ``record`` as its rank's join record for ``gen``; returns the
-    sealed bytes (a process puts them back if someone clobbers them)."""
-    return auth.put(store, join_key(gen, record.rank), record.to_json())
+def publish_join(store: dist.Store, gen: int, record: JoinRecord) -> tuple[bytes, int]:
+    """Seal and publish ``record`` as its rank's join record for ``gen``, then count it.
+
+    Returns the sealed bytes (a process puts them back if someone clobbers them) and the
+    join count after this join: the rank that brings it to the world size plans. The
+    record is written before the count, on the same connection, so a planner that sees
+    the count complete finds every record that was counted."""
+    sealed = auth.put(store, join_key(gen, record.rank), record.to_json())
+    return sealed, int(store.add(join_count_key(gen), 1))
 
 
 def joined_records(store: dist.Store, gen: int, world_size: int) -> dict[int, JoinRecord]:
     """The validly sealed join records of ``gen`` so far, by rank. ``gen`` is complete
-    when there are ``world_size`` of them (what :func:`join` waits for)."""
+    when there are ``world_size`` of them (what a planner waits for)."""
     out: dict[int, JoinRecord] = {}
     for rank in range(world_size):
         _joined(store, join_key(gen, rank), out, rank)
     return out
+
+
+def published_plan(store: dist.Store, gen: int) -> tuple[RecoveryPlan, str | None] | None:
+    """``gen``'s plan and impossible reason if a validly sealed plan is published."""
+    key = plan_key(gen)
+    payload = auth.open_value(key, auth.read_raw(store, key))
+    return None if payload is None else _parse_plan(payload, gen)
+
+
+def _parse_plan(payload: str, gen: int) -> tuple[RecoveryPlan, str | None] | None:
+    try:
+        d = json.loads(payload)
+        plan = RecoveryPlan(int(d["gen"]), int(d["target_step"]),
+                            {int(k): int(v) for k, v in d["providers"].items()},
+                            int(d["planner"]))
+        impossible = None if d.get("impossible") is None else str(d["impossible"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None  # sealed with our key yet unreadable: a bug elsewhere; nobody acts on it
+    return (plan, impossible) if plan.gen == gen else None
+
+
+def _plan_payload(plan: RecoveryPlan, impossible: str | None, committed: int | None,
+                  world_size: int) -> str:
+    return json.dumps({
+        "gen": plan.gen, "target_step": plan.target_step,
+        "providers": {str(k): v for k, v in sorted(plan.providers.items())},
+        "impossible": impossible, "planner": plan.planner, "committed_step": committed,
+        "world_size": world_size, "ts": time.time(),
+    })
+
+
+class _Rendezvous:
+    """One rank's side of one generation's rendezvous after it joined: waiting (with a
+    backoff and the periodic checks), planning, and the diagnosis at the deadline."""
+
+    def __init__(self, store: dist.Store, gen: int, record: JoinRecord, sealed: bytes,
+                 world_size: int, timeout_s: float, current_gen: Callable[[], int],
+                 fenced: Callable[[], str | None]) -> None:
+        self.store, self.gen, self.rank = store, gen, record.rank
+        self.sealed, self.world_size, self.timeout_s = sealed, world_size, timeout_s
+        self.current_gen, self.fenced = current_gen, fenced
+        self.seen: dict[int, JoinRecord] = {record.rank: record}  # verified: kept
+        now = time.monotonic()
+        self.deadline = now + timeout_s
+        self.extensions = 0
+        self.delay = FAST_POLL_S
+        self._next_gen = now
+        self._next_fence = now + FENCE_CHECK_S  # checked just before publishing
+        self._next_repair = now + REPAIR_CHECK_S
+
+    # -- waiting ------------------------------------------------------------------------
+    def await_plan(self, committed_step: Callable[[], int],
+                   takeover_s: float) -> tuple[RecoveryPlan, str | None]:
+        """Poll the plan key until the planner publishes; take over if it stays silent."""
+        next_count = time.monotonic() + takeover_s
+        full_since: float | None = None
+        ticket_taken = False
+        while True:
+            if (found := published_plan(self.store, self.gen)) is not None:
+                return found
+            self.pause()
+            now = time.monotonic()
+            if not ticket_taken and now >= next_count:
+                next_count = now + takeover_s
+                if int(self.store.add(join_count_key(self.gen), 0)) >= self.world_size:
+                    if full_since is None:
+                        full_since = now
+                    elif now - full_since >= takeover_s:
+                        ticket_taken = True
+                        ticket = int(self.store.add(plan_takeover_key(self.gen), 1))
+                        if ticket <= MAX_TAKEOVERS:
+                            return self.plan(committed_step)
+            if now > self.deadline and self._expired():
+                return self.plan(committed_step)  # everyone joined, yet no plan: plan
+
+    def pause(self) -> None:
+        """Sleep one backoff step, then run the checks that are due: a newer generation,
+        fencing, this rank's own record."""
+        time.sleep(self.delay)
+        self.delay = min(SLOW_POLL_S, self.delay * POLL_GROWTH)
+        now = time.monotonic()
+        if now >= self._next_fence:
+            self._next_fence = now + FENCE_CHECK_S
+            if (why := self.fenced()) is not None:
+                raise Fenced(why)
+        if now >= self._next_gen:
+            self._next_gen = now + GEN_CHECK_S
+            if (newer := self.current_gen()) != self.gen:
+                raise GenerationChanged(f"generation {self.gen} superseded by {newer}")
+        if now >= self._next_repair:
+            self._next_repair = now + REPAIR_CHECK_S
+            self._repair()
+
+    def _repair(self) -> None:
+        """Put this rank's record back if it was deleted or overwritten by a forger (a
+        validly sealed record of another process of this rank is left alone)."""
+        key = join_key(self.gen, self.rank)
+        raw = auth.read_raw(self.store, key)
+        if raw is None or (bytes(raw) != self.sealed and auth.open_value(key, raw) is None):
+            self.store.set(key, self.sealed)
+
+    # -- planning -----------------------------------------------------------------------
+    def plan(self, committed_step: Callable[[], int]) -> tuple[RecoveryPlan, str | None]:
+        """Read the records not verified yet (only those, again and again, until all are
+        valid), compute the plan and publish it; or adopt a plan already published."""
+        while self._read(self._missing(), each=False):
+            if (found := published_plan(self.store, self.gen)) is not None:
+                return found  # another planner was first
+            self.pause()
+            if time.monotonic() > self.deadline and self._expired():
+                break
+        committed: int | None = None
+        try:
+            committed = committed_step()
+            plan = make_plan(self.gen, committed, self.seen)
+            plan, impossible = RecoveryPlan(self.gen, plan.target_step, plan.providers,
+                                            self.rank), None
+        except RecoveryImpossible as exc:  # every rank gets the same verdict, from here
+            plan, impossible = RecoveryPlan(self.gen, -1, {}, self.rank), str(exc)
+        payload = _plan_payload(plan, impossible, committed, self.world_size)
+        won, agreed = auth.claim(self.store, plan_key(self.gen), payload)
+        if won:
+            return plan, impossible
+        # A concurrent planner won the compare-and-set: its plan, whatever ours says.
+        if (theirs := _parse_plan(agreed, self.gen)) is None:
+            raise RuntimeError(f"generation {self.gen}'s plan record is unreadable: {agreed!r}")
+        return theirs
+
+    def _missing(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.seen]
+
+    def _read(self, ranks: list[int], each: bool) -> list[int]:
+        """Read the records of ``ranks`` (one ``check`` and one ``multi_get`` when all
+        exist; with ``each``, key by key when some do not) and keep the valid ones;
+        returns the ranks still without a valid record."""
+        if not ranks:
+            return []
+        keys = [join_key(self.gen, r) for r in ranks]
+        if self.store.check(keys):
+            for r, key, raw in zip(ranks, keys, self.store.multi_get(keys)):
+                if (payload := auth.open_value(key, raw)) is not None:
+                    self.seen[r] = JoinRecord.from_json(payload)
+        elif each:
+            for r, key in zip(ranks, keys):
+                _joined(self.store, key, self.seen, r)
+        return [r for r in ranks if r not in self.seen]
+
+    # -- the deadline -------------------------------------------------------------------
+    def _expired(self) -> bool:
+        """The deadline passed: read the records still missing, once. True if none is
+        (the caller plans); waits on (False, a new deadline) while a missing rank's
+        process is on its way; else :class:`RecoveryImpossible` naming each one."""
+        missing = self._read(self._missing(), each=True)
+        if not missing:
+            return True
+        seen_of = {r: missing_rank(self.store, r) for r in missing}
+        if any(m.on_its_way for m in seen_of.values()):
+            # A live process is on its way (a replacement still starting, a survivor
+            # still leaving a collective): never give up on it. Its agent kills it if it
+            # hangs once armed, which ends this wait; until then, say why we wait, once
+            # per timeout, so a long wait is never a silent one.
+            self.extensions += 1
+            self.deadline = time.monotonic() + self.timeout_s
+            print(f"checkpointless: generation {self.gen}: still waiting for ranks {missing} "
+                  f"after {self.timeout_s * self.extensions:.0f}s: "
+                  + "; ".join(m.describe() for m in seen_of.values()),
+                  file=sys.stderr, flush=True)
+            return False
+        waited = self.timeout_s * (1 + self.extensions)
+        raise RecoveryImpossible(
+            f"generation {self.gen}: ranks {missing} did not rejoin within {waited:.0f}s: "
+            + "; ".join(m.describe() for m in seen_of.values()))
 
 
 AGENT_BEAT_WAIT_S = 3.0
@@ -225,4 +436,4 @@ def make_plan(gen: int, target_step: int, records: dict[int, JoinRecord]) -> Rec
             "copy: its own snapshot died with its process and no live rank holds a replica "
             "of it (every holder failed too, or replication.factor=1)"
         )
-    return RecoveryPlan(gen, target_step, records, providers)
+    return RecoveryPlan(gen, target_step, providers)

@@ -39,7 +39,7 @@ from recovery.events import Event
 from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
 from recovery.recipe import CheckpointlessConfig, worker_config
-from recovery.rendezvous import GenerationChanged, RecoveryPlan, join, make_plan
+from recovery.rendezvous import GenerationChanged, RecoveryPlan, agree
 from recovery.watchdog import Watchdog
 from replication import contract
 from replication.commit import UntrustedCommit, committed_step
@@ -487,11 +487,8 @@ class Checkpointless:
             self.watchdog.generation = gen
             try:
                 self.faults.at("recovery", self.step)
-                records, t_rdzv = self._rendezvous(gen, newcomer), time.time()
-                try:
-                    plan, impossible = make_plan(gen, self.committed_step, records), None
-                except RecoveryImpossible as exc:  # every rank reaches the same verdict
-                    plan, impossible = RecoveryPlan(gen, -1, records, {}), str(exc)
+                # One rank plans, every rank adopts its plan (or its impossible reason).
+                (plan, impossible), t_rdzv = self._rendezvous(gen, newcomer), time.time()
                 self._setup_generation(gen)
                 t_pg = time.time()
                 if impossible is None:
@@ -541,15 +538,19 @@ class Checkpointless:
         self.step = plan.target_step
         return plan.target_step
 
-    def _rendezvous(self, gen: int, newcomer: bool) -> dict[int, protocol.JoinRecord]:
+    def _rendezvous(self, gen: int, newcomer: bool) -> tuple[RecoveryPlan, str | None]:
+        """Join ``gen`` and return its plan and the reason it is impossible (or None).
+        The committed step is read by the planning rank only (``self.committed_step``:
+        an untrusted record makes the plan impossible, on every rank alike)."""
         local, held = self.replicator.held() if self.replicator else ([], {})
         record = protocol.JoinRecord(
             rank=self.rank, node=self.env.node, pid=os.getpid(), newcomer=newcomer,
             local_steps=local, replicas={str(src): steps for src, steps in held.items()},
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
-        return join(self.store, gen, record, self.world_size, timeout,
-                    lambda: protocol.current_generation(self.store), self._fenced)
+        return agree(self.store, gen, record, self.world_size, timeout,
+                     lambda: protocol.current_generation(self.store),
+                     lambda: self.committed_step, self._fenced)
 
     def _fenced(self) -> str | None:
         """Why this process no longer owns its rank, or None (see :class:`Fenced`)."""

@@ -3,8 +3,9 @@
 A hypothesis state machine drives the real protocol code on a real c10d store
 (``HashStore``, sealed records as the agents and workers write them):
 ``protocol.declare_failure``, ``protocol.current_generation``,
-``protocol.generation_of_process``, ``rendezvous.publish_join`` /
-``rendezvous.joined_records``, and ``replication.commit.CommitLedger``. What it models
+``protocol.generation_of_process``, ``rendezvous.publish_join`` (the sealed record and
+the join count that elects the planner) / ``rendezvous.joined_records``, and
+``replication.commit.CommitLedger``. What it models
 is only who calls them when: 3 ranks, up to 3 SIGKILLs at any moment, agents that
 notice a death late and declare from a stale view (any generation from the one the
 process started in to the newest one it took part in), survivors that declare when
@@ -18,6 +19,9 @@ Properties:
 - **no rank waits on a generation that will never complete**: once every pending
   action has been taken (:meth:`ProtocolModel.settle`), the newest generation is
   complete, with every rank's live process in it;
+- **a generation that completes has a live planner** (ADR 0024): the process whose join
+  brought the count to the world size is one of the processes the generation completes
+  with, so no completed generation waits on a planner takeover;
 - **the committed step never runs ahead of what every copy holds**: whenever the
   committed step is ``s``, every rank has a process that acknowledged ``s`` (a process
   acknowledges a step once it holds its own snapshot and its neighbour's replica).
@@ -85,6 +89,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.failures = 0
         self.acks: dict[int, set[int]] = {r: set() for r in range(WORLD)}  # any incarnation
         self.graveyard: list[Proc] = []  # dead processes already replaced
+        self.planners: dict[int, int] = {}  # generation -> pid whose join completed the count
 
     # -- helpers ----------------------------------------------------------------------
     def gen(self) -> int:
@@ -225,13 +230,15 @@ class ProtocolModel(RuleBasedStateMachine):
     def _join(self, rank: int) -> None:
         p, gen = self.procs[rank], self.gen()
         if gen not in p.joined:
-            publish_join(self.store, gen, protocol.JoinRecord(rank, 0, p.pid, False))
+            _, count = publish_join(self.store, gen, protocol.JoinRecord(rank, 0, p.pid, False))
             p.joined.add(gen)
+            if count == WORLD:
+                self.planners[gen] = p.pid
 
     def _complete(self) -> None:
         """The newest generation completes when every rank's current process joined it
-        (what ``rendezvous.join`` waits for); only once: a process that joins a
-        completed generation later waits for nothing that will come."""
+        (what the planner waits for, ``rendezvous.agree``); only once: a process that
+        joins a completed generation later finds its plan."""
         gen = self.gen()
         if gen in self.completed:
             return
@@ -241,6 +248,10 @@ class ProtocolModel(RuleBasedStateMachine):
                 procs[r].alive and records[r].pid == procs[r].pid and procs[r].training_in
                 is None for r in range(WORLD)):
             self.completed.add(gen)
+            members = {procs[r].pid for r in range(WORLD)}
+            assert self.planners.get(gen) in members, (
+                f"generation {gen} completed with processes {sorted(members)}, but the join "
+                f"count elected {self.planners.get(gen)} to plan it")
             target = committed_step(self.store, COMMITTED)
             for p in procs.values():
                 p.training_in, p.acked = gen, target  # every rank resumes after the target

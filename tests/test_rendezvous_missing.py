@@ -12,7 +12,7 @@ import pytest
 
 from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
-from recovery.rendezvous import join
+from recovery.rendezvous import RecoveryPlan, agree
 from replication import signing
 from replication.signing import Signer
 from tests.helpers.mp import free_port, tcp_store
@@ -30,6 +30,12 @@ def store():
 
 def _mine() -> protocol.JoinRecord:
     return protocol.JoinRecord(0, 0, os.getpid(), False, [3], {"1": [3]})
+
+
+def join(store, gen: int, record: protocol.JoinRecord, world_size: int, timeout_s: float,
+         current_gen) -> tuple[RecoveryPlan, str | None]:
+    """Rank 0's side of the rendezvous (committed step 3)."""
+    return agree(store, gen, record, world_size, timeout_s, current_gen, lambda: 3)
 
 
 class _Agent(threading.Thread):
@@ -52,18 +58,25 @@ def test_a_live_process_on_its_way_is_waited_for(store):
     agent.start()
     late = TIMEOUT_S * 4.5  # past several deadlines: no bound on a live process
 
-    def join_late() -> None:
-        time.sleep(late)
-        auth.put(store, protocol.join_key(1, 1),
-                          protocol.JoinRecord(1, 1, 4242, True).to_json())
+    theirs: list = []
 
-    threading.Thread(target=join_late, daemon=True).start()
+    def join_late() -> None:  # rank 1's replacement, which completes the join count
+        time.sleep(late)
+        theirs.append(join(store, 1, protocol.JoinRecord(1, 1, 4242, True), 2,
+                           timeout_s=TIMEOUT_S, current_gen=lambda: 1))
+
+    late_rank = threading.Thread(target=join_late, daemon=True)
+    late_rank.start()
     t0 = time.monotonic()
     try:
-        records = join(store, 1, _mine(), 2, timeout_s=TIMEOUT_S, current_gen=lambda: 1)
+        ours = join(store, 1, _mine(), 2, timeout_s=TIMEOUT_S, current_gen=lambda: 1)
     finally:
         agent.stop.set()
-    assert sorted(records) == [0, 1] and records[1].pid == 4242
+    late_rank.join(10)
+    # Rank 1 (pid 4242) came without state and receives it from rank 0.
+    # (Rank 1 completes the count and plans, unless rank 0's deadline check found its
+    # record first: then rank 0 plans too, and the compare-and-set keeps one plan.)
+    assert ours == (RecoveryPlan(1, 3, {1: 0}, ours[0].planner), None) and theirs == [ours]
     assert time.monotonic() - t0 >= late
 
 

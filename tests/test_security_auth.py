@@ -18,7 +18,7 @@ import pytest
 from launcher import job_outcome, job_store, liveness, membership
 from recovery import auth, protocol
 from recovery.errors import RecoveryImpossible
-from recovery.rendezvous import join
+from recovery.rendezvous import RecoveryPlan, agree, publish_join, published_plan
 from replication import contract, signing
 from replication.commit import CommitLedger, UntrustedCommit, committed_step
 from replication.signing import Signer, derive_job_key
@@ -291,26 +291,36 @@ def test_keycheck_tells_a_wrong_secret(rejected, stores):
 # --- join records and the committed step ------------------------------------------------
 def test_join_ignores_forged_records_and_repairs_its_own(rejected, stores):
     master, ours, rogue = stores
-    for r in range(2):
-        rogue.set(protocol.join_key(1, r), protocol.JoinRecord(r, 9, 1, True).to_json())
+    for r in range(2):  # forged records that, if believed, would change the plan
+        rogue.set(protocol.join_key(1, r), protocol.JoinRecord(r, 9, 1, True, [3]).to_json())
     mine = protocol.JoinRecord(0, 0, os.getpid(), False, [3], {"1": [3]})
-    auth.put(master, protocol.join_key(1, 1), protocol.JoinRecord(1, 0, 2, True).to_json())
+    publish_join(master, 1, protocol.JoinRecord(1, 0, 2, True))  # rank 1 joins first
     real_one = master.get(protocol.join_key(1, 1))
     rogue.set(protocol.join_key(1, 1), b"clobbered")
-    records = {}
 
-    def put_back_later() -> int:  # rank 1 repairs its own record, as its join loop does
+    def put_back_later() -> int:  # rank 1 repairs its own record, as its wait loop does
         if time.monotonic() > t0 + 0.2:
             master.set(protocol.join_key(1, 1), real_one)
         return 1
 
     t0 = time.monotonic()
-    records = join(ours, 1, mine, 2, timeout_s=5, current_gen=put_back_later)
-    assert records[0] == mine and records[1].node == 0 and records[1].newcomer
+    # Rank 0 completes the count: it plans, from rank 1's real record (no state: it
+    # receives from rank 0), never from the forged ones.
+    plan = agree(ours, 1, mine, 2, timeout_s=5, current_gen=put_back_later,
+                 committed_step=lambda: 3)
+    assert plan == (RecoveryPlan(1, 3, {1: 0}, planner=0), None)
+    assert published_plan(rogue, 1) == plan
     assert protocol.join_key(1, 1) in keys_of(rejected)
     with pytest.raises(RecoveryImpossible, match=r"ranks \[1\] did not rejoin"):
         rogue.set(protocol.join_key(2, 1), b"forged")
-        join(ours, 2, mine, 2, timeout_s=0.3, current_gen=lambda: 2)
+        agree(ours, 2, mine, 2, timeout_s=0.3, current_gen=lambda: 2, committed_step=lambda: 3)
+    # A forged count makes rank 0 the planner of generation 3 before rank 1 joined: it
+    # waits for a valid record of rank 1, and publishes no plan without one.
+    rogue.add(protocol.join_count_key(3), 1)
+    rogue.set(protocol.join_key(3, 1), protocol.JoinRecord(1, 9, 1, True, [3]).to_json())
+    with pytest.raises(RecoveryImpossible, match=r"ranks \[1\] did not rejoin"):
+        agree(ours, 3, mine, 2, timeout_s=0.3, current_gen=lambda: 3, committed_step=lambda: 3)
+    assert published_plan(master, 3) is None
 
 
 def test_committed_step_must_be_sealed(rejected, stores):
