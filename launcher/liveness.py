@@ -1,5 +1,11 @@
-"""Which agents are alive: this agent's heartbeat, its watch over the others, and the
+"""Which agents are alive: this agent's heartbeat, its watch over a few others, and the
 watch for every rank having finished.
+
+Liveness costs O(nodes) for the job, not O(nodes²) (ADR 0023): each agent watches only
+its next :data:`WATCHERS` nodes in the ring of registered nodes, the watch moves on past
+a lost node, and the agent that detects a loss publishes it (sealed, ``LOST_KEY``) for
+every other agent to learn. A check reads 3 keys whatever the job's size (5 with etcd);
+the agents list and the published losses only when the liveness version changed.
 
 ``agent_heartbeat_key(n)`` is a counter that agent ``n``'s heartbeat thread bumps.
 With an etcd job store the thread also holds an etcd lease whose time-to-live is the
