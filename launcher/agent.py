@@ -2,8 +2,9 @@
 
 One poll loop (every ``--monitor-interval``, 50 ms by default) does, in order: react to
 a signal; read the generation and the fatal flag; look at each worker (exit code,
-heartbeat file); keep the spare pool full; every heartbeat interval, look at the other
-agents' heartbeats; settle lost groups; stop when every rank has finished.
+heartbeat file); keep the spare pool full; every heartbeat interval, look at the watched
+agents' heartbeats and at the losses others published (:class:`liveness.PeerWatch`);
+settle lost groups; stop when every rank has finished.
 
 Generations. A failure belongs to the generation that was current while the failed
 process (or node) was last seen alive, not to whatever generation is current when the
@@ -540,7 +541,9 @@ class Agent(NodeLossHandling):
         with contextlib.suppress(dist.DistError, RuntimeError):
             while time.monotonic() < deadline:
                 others = [n for n in membership.registered_nodes(self.store) if n != self.node]
-                self.watch.check(self.store, protocol.current_generation(self.store))
+                # not published: the others stop beating as they leave, which is no loss
+                self.watch.check(self.store, protocol.current_generation(self.store),
+                                 publish=False)
                 pending = [n for n in others if n not in self.watch.lost
                            and not protocol.agent_finished(self.store, n)]
                 if not pending:

@@ -1,5 +1,11 @@
-"""Which agents are alive: this agent's heartbeat, its watch over the others, and the
+"""Which agents are alive: this agent's heartbeat, its watch over a few others, and the
 watch for every rank having finished.
+
+Liveness costs O(nodes) for the job, not O(nodes²) (ADR 0023): each agent watches only
+its next :data:`WATCHERS` nodes in the ring of registered nodes, the watch moves on past
+a lost node, and the agent that detects a loss publishes it (sealed, ``LOST_KEY``) for
+every other agent to learn. A check reads 3 keys whatever the job's size (5 with etcd);
+the agents list and the published losses only when the liveness version changed.
 
 ``agent_heartbeat_key(n)`` is a counter that agent ``n``'s heartbeat thread bumps.
 With an etcd job store the thread also holds an etcd lease whose time-to-live is the
@@ -18,9 +24,11 @@ possible).
 
 from __future__ import annotations
 
+import bisect
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -203,23 +211,58 @@ class StoreLease(threading.Thread):
         self._stop_event.set()
 
 
+#: How many peers each agent watches, and so how many agents watch each node: two, so
+#: that one watcher that is slow (not scheduled, a store read that stalls) or lost
+#: together with the node does not delay the detection, while an agent's cost per
+#: check stays constant however many nodes the job has (ADR 0023).
+WATCHERS = 2
+#: A watcher re-reads the agents list and the published losses when the liveness
+#: version changed, and at least every this many checks (a forger can write an old
+#: version back; the re-read bounds what that delays).
+REFRESH_EVERY = 30
+
+
 @dataclass
 class _Peer:
     seq: int  # the newest validly sealed heartbeat sequence number seen (-1: none yet)
     changed_at: float  # monotonic time this agent last saw the sequence grow
     gen_alive: int  # the generation current when the peer was last seen alive
+    by: int | None = None  # for a lost peer: the agent that detected it (None: this one)
 
 
 @dataclass
 class PeerWatch:
-    """Decides which other agents are lost, each exactly once.
+    """Decides which other agents are lost, each exactly once, watching only a few.
 
-    A peer is lost when its sealed heartbeat sequence has not grown for ``timeout_s`` on
-    this agent's clock. A newly seen peer gets a full timeout of grace. ``gen_alive``
-    records the generation this agent read (before reading the heartbeats) when the peer
-    last showed life: a node's loss belongs to that generation, not to one a survivor may
-    have declared meanwhile, so detectors that arrive late dedupe instead of adding one.
-    A value that does not verify, or an old one written back, is no sign of life.
+    The registered nodes form a ring (sorted ids, wrapping around). This agent watches
+    the next :data:`WATCHERS` nodes after itself that it does not know to be lost, so
+    every node has that many watchers. When a watched node is lost, the watch moves on
+    to the next live node (the takeover of the watch): a run of consecutive lost nodes
+    is still detected, a timeout later at most for each node beyond the watchers' reach.
+
+    A watched peer is lost when its sealed heartbeat sequence has not grown for
+    ``timeout_s`` on this agent's clock. A peer that enters the watch gets a full
+    timeout of grace. ``gen_alive`` records the generation this agent read (before
+    reading the heartbeats) when the peer last showed life: a node's loss belongs to
+    that generation, not to one a survivor may have declared meanwhile, so detectors
+    that arrive late dedupe instead of adding one. A value that does not verify, or an
+    old one written back, is no sign of life.
+
+    The detector publishes each loss (``protocol.LOST_KEY``, sealed) and every other
+    agent learns it from there: that is how a spare node hears of a loss it does not
+    watch. A learner first reads the lost node's heartbeat once: if it grew past the
+    sequence the detector last saw, the node was alive after all and the record is
+    ignored. A forged record does not verify, and an old one written back names a
+    sequence the node has passed.
+
+    What one check reads (keys, not bytes), at any job size: the liveness version (a
+    compare-and-set from "absent", which never waits) and the watched nodes' heartbeats
+    in one ``multi_get``: 1 + :data:`WATCHERS` = 3 keys in two round trips; with etcd
+    also their lease records (2 more keys, one more round trip). Only when the version
+    changed, or every :data:`REFRESH_EVERY` checks: the agents list and the published
+    losses (2 keys, whose size grows with nodes and losses), and one heartbeat per newly
+    published loss. Before (every agent watched every other): nodes - 1 heartbeats and
+    the agents list each check, so O(nodes) per agent and O(nodes²) for the job.
     """
 
     node: int
@@ -228,12 +271,24 @@ class PeerWatch:
     #: counter has also not grown for this long (a forged delete cannot pass for a loss:
     #: a live peer's counter keeps growing). 0: no leases, the timeout alone decides.
     lease_confirm_s: float = 0.0
+    watchers: int = WATCHERS
     peers: dict[int, _Peer] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
     last_check: float | None = None
+    #: Every node registered so far, sorted (a wiped agents list forgets none).
+    ring: list[int] = field(default_factory=list)
+    #: The nodes this agent watches now.
+    watched: list[int] = field(default_factory=list)
+    _version: bytes | None = None
+    _checks_since_refresh: int = 0
+    _entries_seen: set[bytes] = field(default_factory=set)
 
-    def check(self, store: dist.Store, gen: int) -> list[int]:
-        """Read every peer's heartbeat; return the nodes that became lost just now.
+    def check(self, store: dist.Store, gen: int, publish: bool = True) -> list[int]:
+        """Read the watched peers' heartbeats (and, when they changed, the published
+        losses); return the nodes that became lost just now, detected or learned.
+
+        Newly detected losses are published unless ``publish`` is False (the store host
+        lingering at the end of the job, whose peers stop beating as they leave).
 
         Time this agent could not look does not count as the peers' silence: when the
         previous check is more than half a timeout ago (this process was not scheduled,
@@ -246,35 +301,111 @@ class PeerWatch:
             for peer in self.peers.values():
                 peer.changed_at = max(peer.changed_at, now)
         self.last_check = now
-        listed = set(registered_nodes(store)) | set(self.peers)  # a wiped list forgets none
-        nodes = sorted(n for n in listed if n != self.node and n not in self.lost)
+        newly: list[int] = []
+        self._checks_since_refresh += 1
+        # compare-and-set from "absent": the current version, never a wait (a forger may
+        # have deleted it; then this recreates it and everyone re-reads once).
+        version = bytes(store.compare_set(protocol.LIVENESS_VERSION_KEY, b"",
+                                          uuid.uuid4().hex.encode()))
+        if version != self._version or self._checks_since_refresh >= REFRESH_EVERY:
+            newly += self._refresh(store, gen, now, version)
+        nodes = list(self.watched)
         if not nodes:
-            return []
+            return sorted(newly)
         keys = [protocol.agent_heartbeat_key(n) for n in nodes]
-        alive = [protocol.agent_lease_key(n) for n in nodes] if self.lease_confirm_s else []
         values = store.multi_get(keys)
+        alive = [protocol.agent_lease_key(n) for n in nodes] if self.lease_confirm_s else []
         # Lease-bound records vanish on expiry: read without waiting for them.
         present = store.read_now(alive) if alive else []  # type: ignore[attr-defined]
-        newly = []
-        for i, (n, key) in enumerate(zip(nodes, keys)):
-            payload = auth.open_value(key, values[i])
-            seq = int(payload) if payload is not None else None
+        detected = [n for i, n in enumerate(nodes)
+                    if self._observe(n, keys[i], values[i], present[i] if alive else b"",
+                                     now, gen)]
+        if detected:
+            if publish:
+                self._entries_seen.update(protocol.publish_losses(store, [
+                    protocol.LostRecord(n, self.peers[n].seq, self.peers[n].gen_alive,
+                                        now - self.peers[n].changed_at, self.node)
+                    for n in detected]))
+            self._rewatch(now, gen)  # the takeover of the watch
+        return sorted(newly + detected)
+
+    def _observe(self, n: int, key: str, raw: bytes, alive_record: bytes | None,
+                 now: float, gen: int) -> bool:
+        """Take one watched peer's heartbeat in; True if it is lost just now."""
+        payload = auth.open_value(key, raw)
+        seq = int(payload) if payload is not None else None
+        peer = self.peers[n]
+        if seq is not None and seq > peer.seq:
+            if peer.seq >= 0:  # the first value read is no sign of life: grace runs on
+                peer.changed_at, peer.gen_alive = now, gen
+            peer.seq = seq
+            return False
+        if now - peer.changed_at > self.timeout_s or (
+            alive_record is None and peer.seq >= 0
+            and now - peer.changed_at > self.lease_confirm_s
+        ):
+            self.lost.add(n)
+            return True
+        return False
+
+    def _refresh(self, store: dist.Store, gen: int, now: float, version: bytes) -> list[int]:
+        """Re-read the ring and the published losses (read the version first: a change
+        after it changes the version again); return the losses learned just now."""
+        self._version, self._checks_since_refresh = version, 0
+        self.ring = sorted(set(registered_nodes(store)) | set(self.ring))
+        entries = [e for e in protocol.lost_entries(auth.read_raw(store, protocol.LOST_KEY))
+                   if e not in self._entries_seen]
+        self._entries_seen.update(entries)
+        records = {}
+        for entry in entries:
+            rec = protocol.open_lost_entry(entry)
+            if rec is None or rec.node == self.node or rec.node in self.lost:
+                continue
+            peer = self.peers.get(rec.node)
+            if peer is not None and peer.seq > rec.seq:
+                continue  # this agent saw it beat after the detector last did
+            records[rec.node] = rec
+        learned = self._learn(store, list(records.values()), now)
+        self._rewatch(now, gen)
+        return learned
+
+    def _learn(self, store: dist.Store, records: list[protocol.LostRecord],
+               now: float) -> list[int]:
+        """Take in published losses whose node has not beaten since (one read for all)."""
+        if not records:
+            return []
+        keys = [protocol.agent_heartbeat_key(r.node) for r in records]
+        beats = store.multi_get(keys)
+        learned = []
+        for rec, key, raw in zip(records, keys, beats):
+            payload = auth.open_value(key, raw)
+            if payload is not None and int(payload) > rec.seq:
+                continue  # it beat after the detector's last look: alive (or back)
+            self.lost.add(rec.node)
+            self.peers[rec.node] = _Peer(rec.seq, now - rec.silent_s, rec.gen_alive, rec.by)
+            learned.append(rec.node)
+        return learned
+
+    def _rewatch(self, now: float, gen: int) -> None:
+        """Watch the next live nodes in the ring; a node entering the watch (a new one,
+        or the next one after a lost node) gets a full timeout of grace."""
+        others = [n for n in self.ring if n != self.node and n not in self.lost]
+        start = bisect.bisect_right(others, self.node)
+        ring = others[start:] + others[:start]
+        watched = ring[:self.watchers]
+        for n in watched:
+            if n in self.watched:
+                continue
             peer = self.peers.get(n)
             if peer is None:
-                self.peers[n] = _Peer(-1 if seq is None else seq, now, gen)
-            elif seq is not None and seq > peer.seq:
-                peer.seq, peer.changed_at, peer.gen_alive = seq, now, gen
-            elif now - peer.changed_at > self.timeout_s or (
-                alive and peer.seq >= 0 and present[i] is None
-                and now - peer.changed_at > self.lease_confirm_s
-            ):
-                self.lost.add(n)
-                newly.append(n)
-        return newly
+                self.peers[n] = _Peer(-1, now, gen)
+            else:
+                peer.changed_at, peer.gen_alive, peer.by = now, gen, None
+        self.watched = watched
 
     def returned(self, store: dist.Store, node: int, gen: int) -> bool:
         """True if ``node``, declared lost, has heartbeated since: it was only slow
-        (a starved agent). It is watched again from now on."""
+        (a starved agent). It is back in the ring from now on."""
         peer = self.peers.get(node)
         if node not in self.lost or peer is None:
             return False
@@ -283,7 +414,9 @@ class PeerWatch:
         if payload is None or int(payload) <= peer.seq:
             return False
         peer.seq, peer.changed_at, peer.gen_alive = int(payload), time.monotonic(), gen
+        peer.by = None
         self.lost.discard(node)
+        self._rewatch(time.monotonic(), gen)
         return True
 
     def gen_alive(self, node: int, default: int) -> int:
@@ -293,6 +426,12 @@ class PeerWatch:
     def silent_for(self, node: int) -> float:
         peer = self.peers.get(node)
         return 0.0 if peer is None else time.monotonic() - peer.changed_at
+
+    def detected_by(self, node: int) -> int:
+        """The agent that detected ``node``'s loss: this one, or the one whose published
+        record this agent learned it from."""
+        peer = self.peers.get(node)
+        return self.node if peer is None or peer.by is None else peer.by
 
 
 class DoneWatch:

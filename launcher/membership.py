@@ -2,8 +2,9 @@
 
 Agents coordinate only through keys from :mod:`recovery.protocol`:
 
-- ``AGENTS_KEY`` lists every agent that ever joined, so any agent can watch all others
-  (:mod:`launcher.liveness` watches their heartbeats);
+- ``AGENTS_KEY`` lists every agent that ever joined: the ring in which each agent
+  watches its next few neighbours' heartbeats (:mod:`launcher.liveness`). Registering
+  rewrites ``LIVENESS_VERSION_KEY``, so watchers re-read the list only when it grew;
 - ``group_owner_key(g)`` names the agent that runs group ``g``'s ranks. Ownership is
   moved with a compare-and-set from the lost owner's record, which makes the takeover of
   a lost node's ranks exclusive without depending on which generation each claimer saw.
@@ -42,6 +43,7 @@ def register(store: dist.Store, node: int, nproc: int, spare: bool) -> None:
     auth.put(store, protocol.agent_heartbeat_key(node), "0")
     entry = signing.process_signer().seal(protocol.AGENTS_KEY, str(node))
     store.append(protocol.AGENTS_KEY, b"," + entry + b",")
+    protocol.bump_liveness_version(store)
 
 
 def registered_nodes(store: dist.Store) -> list[int]:

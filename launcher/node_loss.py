@@ -6,8 +6,10 @@ compare-and-set on the owner record). What the agent then does is a protocol of 
 with its own failure modes (ADR 0010), so it lives here rather than in the poll loop of
 :mod:`launcher.agent`:
 
-- every agent that sees a node lost records that node's groups and, if it runs workers,
-  declares the failure (the declarations dedupe);
+- every agent that sees a node lost (it watches that node, or learns the loss from the
+  record its detector published: :class:`~launcher.liveness.PeerWatch`, ADR 0023)
+  records that node's groups and, if it runs workers, declares the failure from the
+  generation the detector last saw the node alive in (the declarations dedupe);
 - an idle agent (a spare node) takes a lost group over and starts its ranks in a fresh
   generation;
 - a lost node whose heartbeat resumes before anyone took its ranks keeps them
@@ -42,9 +44,10 @@ from recovery.events import Event
 from replication.contract import EXIT_FENCED
 
 #: How many heartbeat timeouts a lost group waits for a spare node, or for its own node
-#: to come back, before the job stops. A spare node notices the loss on its own clock,
-#: one timeout after it last saw the node alive, and one that just started gives every
-#: peer a full timeout of grace. The chaos soak saw agents on an overloaded host stall
+#: to come back, before the job stops. A spare node learns the loss within a check of
+#: its publication (ADR 0023), but the loss of a node whose watchers were lost with it is
+#: found a timeout later (the watch moves on, and a node entering a watch gets a full
+#: timeout of grace). The chaos soak saw agents on an overloaded host stall
 #: for 6-15 s and come back: waiting longer only delays a stop that is due anyway.
 TAKEOVER_PATIENCE = 4.0
 
@@ -73,15 +76,20 @@ class NodeLossHandling:
 
     # --- other nodes ----------------------------------------------------------------
     def _check_peers(self, gen: int) -> None:
+        """Act on each node newly lost: detected by this agent's own watch or learned
+        from another watcher's published record; each agent emits ``node_lost`` once per
+        loss either way (``detected_by`` names the watcher that saw it)."""
         for lost in self.watch.check(self.store, gen):
             owners = membership.owners(self.store, self.args.nnodes)
             groups = [g for g, owner in owners.items() if owner == lost]
             ranks = [r for g in groups for r in self._ranks(g)]
             silent = self.watch.silent_for(lost)
+            by = self.watch.detected_by(lost)
             self._emit(Event.NODE_LOST, lost_node=lost, groups=groups, ranks=ranks,
-                       silent_s=round(silent, 3))
+                       silent_s=round(silent, 3), detected_by=by)
             held = f"ranks {ranks}" if ranks else "its ranks already run on another node"
-            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s; {held})")
+            seen = "" if by == self.node else f", as node {by} published"
+            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s{seen}; {held})")
             observed = protocol.generation_of_node(self.store, ranks, lost,
                                                    self.watch.gen_alive(lost, gen))
             for g in groups:

@@ -416,6 +416,66 @@ AGENTS_KEY = f"{PREFIX}/agents"
 DONE_ANY_KEY = f"{DONE_PREFIX}/any"
 
 
+#: Node losses published by the agents that detected them (ADR 0023): each agent watches
+#: only its ring neighbours, so the others learn a loss from here. Append-only sealed
+#: entries between commas, like ``AGENTS_KEY``; a node's watchers may each add one.
+LOST_KEY = f"{PREFIX}/lost"
+#: A hint, not a record: a random token rewritten whenever ``AGENTS_KEY`` or ``LOST_KEY``
+#: grows, so that a watcher re-reads those two (which grow with the job) only when it
+#: changed. A forger can make watchers re-read early, or write an old token back to
+#: delay a re-read; watchers re-read at least every ``liveness.REFRESH_EVERY`` checks.
+LIVENESS_VERSION_KEY = f"{PREFIX}/liveness/version"
+
+
+@dataclass(frozen=True)
+class LostRecord:
+    """One published node loss (sealed; its payload has no commas, see ``LOST_KEY``)."""
+
+    node: int
+    seq: int  # the detector's newest verified heartbeat of the node: a beat after it
+    #           (a higher sequence number) means the node was alive after all
+    gen_alive: int  # the generation current when the detector last saw it alive
+    silent_s: float  # how long the detector saw no beat
+    by: int  # the detecting node
+
+    def payload(self) -> str:
+        return f"{self.node}:{self.seq}:{self.gen_alive}:{round(self.silent_s * 1000)}:{self.by}"
+
+    @staticmethod
+    def parse(payload: str) -> LostRecord | None:
+        try:
+            node, seq, gen, silent_ms, by = (int(x) for x in payload.split(":"))
+        except ValueError:
+            return None
+        return LostRecord(node, seq, gen, silent_ms / 1000, by)
+
+
+def bump_liveness_version(store: dist.Store) -> None:
+    """Tell every watcher that the agents list or the published losses grew (call after
+    the append, on the same connection, so the append lands first)."""
+    store.set(LIVENESS_VERSION_KEY, uuid.uuid4().hex)
+
+
+def publish_losses(store: dist.Store, records: list[LostRecord]) -> list[bytes]:
+    """Append sealed loss records to ``LOST_KEY``; returns the entries as stored."""
+    entries = [signing.process_signer().seal(LOST_KEY, r.payload()) for r in records]
+    if entries:
+        store.append(LOST_KEY, b"".join(b"," + e + b"," for e in entries))
+        bump_liveness_version(store)
+    return entries
+
+
+def lost_entries(raw: bytes | None) -> list[bytes]:
+    """The (unverified) entries of ``LOST_KEY``'s raw value, in order."""
+    return [t for t in bytes(raw).split(b",") if t] if raw else []
+
+
+def open_lost_entry(entry: bytes) -> LostRecord | None:
+    """The record of one entry; None (a forged one is reported) if it does not verify."""
+    payload = auth.open_value(LOST_KEY, entry)
+    return None if payload is None else LostRecord.parse(payload)
+
+
 def trained_key(rank: int) -> str:
     """Set by a worker once its last step is committed: whatever it does after that
     (saving, exiting) can no longer need a recovery."""
