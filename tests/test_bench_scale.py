@@ -76,20 +76,17 @@ def test_store_count_counts_by_hand(pool):
 
 
 def test_liveness_counts_by_hand(pool):
-    """Per period, today's PeerWatch.check reads the agents list (check + get) and every
-    other agent's heartbeat in one multi_get: 3 requests, (nodes-1) + 2 keys. A beat at
-    generation 0: the sealed set, the owner record (check + get, reassert_owner) and
-    one check of the next generation's cause key (reassert_generations): 4 requests.
-    After the ring-watch merge these hand counts change with the code: update them."""
-    from launcher import liveness
-
-    res = S.run_liveness(pool, 4, 2, 0.1, 2, "t-live", offset=8)
-    assert res.lost == 0
-    if "publish" in liveness.PeerWatch.check.__code__.co_varnames:
-        pytest.skip("ring watch on this checkout: the O(nodes) hand count does not apply")
-    assert res.check_requests_per_agent == 3
-    assert res.check_keys_per_agent == (4 - 1) + 2
-    assert res.beat_requests_per_agent == 4
+    """Per period, the ring watch (ADR 0023) reads the liveness version with one
+    compare-and-set (1 request, 1 key) and its two watched neighbours' heartbeats in one
+    multi_get (1 request, 2 keys): 2 requests and 3 keys at any job size. A beat at
+    generation 0: the sealed set, the owner record (check + get, reassert_owner) and one
+    check of the next generation's cause key (reassert_generations): 4 requests."""
+    for nodes in (4, 8):
+        res = S.run_liveness(pool, nodes, 2, 0.1, 2, f"t-live{nodes}", offset=8)
+        assert res.lost == 0
+        assert res.check_requests_per_agent == 2, (nodes, res)
+        assert res.check_keys_per_agent == 3, (nodes, res)
+        assert res.beat_requests_per_agent == 4, (nodes, res)
 
 
 def test_rendezvous_plans_agree_and_count(pool):
