@@ -103,9 +103,12 @@ SLOW_POLL_S = 0.05
 polling faster then only loads the store's serving thread, which every agent's heartbeat
 shares. A recovery with a warm spare completes while polls are still fast."""
 GEN_CHECK_S = 0.02
-"""How often a waiting rank checks for a newer generation (one ``check``)."""
-FENCE_CHECK_S = 0.1
-"""How often a waiting rank checks that it still owns its rank (``fenced``)."""
+"""How often a waiting rank asks ``current_gen()`` for a newer generation (the runtime
+answers from its watchdog's view, without a store request)."""
+FENCE_CHECK_S = 0.5
+"""How often a waiting rank checks that it still owns its rank (``fenced``: one or two
+store reads). A node taken over also declares a new generation, which ends the wait at
+once; this check is the backstop, so it need not load the store at every poll."""
 REPAIR_CHECK_S = 1.0
 """How often a waiting rank checks that its own join record is still there and intact."""
 TAKEOVER_S = 2.0

@@ -118,6 +118,7 @@ class Checkpointless:
             self.env.heartbeat_file, rec.heartbeat_interval_s,
             on_failure=lambda g: elastic_controller.controller().fail(
                 f"generation {g} was declared (a failure elsewhere in the job)"),
+            blocking=self.env.launched,
         )
         self.gen = protocol.current_generation(self.store)
         self._created_group = False  # True: the runtime made the default group, not the script
@@ -548,8 +549,10 @@ class Checkpointless:
             local_steps=local, replicas={str(src): steps for src, steps in held.items()},
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
+        # A newer generation, as the watchdog saw it: no store request per check (it
+        # blocks on the next cause record, or polls, on a connection of its own).
         return agree(self.store, gen, record, self.world_size, timeout,
-                     lambda: protocol.current_generation(self.store),
+                     lambda: max(self.watchdog.seen, gen),
                      lambda: self.committed_step, self._fenced)
 
     def _fenced(self) -> str | None:
