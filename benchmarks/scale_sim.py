@@ -691,14 +691,16 @@ def plan_today(store: Any, gen: int, record: Any, world: int, fenced: Callable[[
 
 def plan_planner(store: Any, gen: int, record: Any, world: int, fenced: Callable[[], Any],
                  ) -> Any:
-    """The planner-based rendezvous (branch ``planner-rendezvous``): ``agree`` returns
-    the plan one planner computed."""
-    from recovery import protocol, rendezvous
+    """The planner-based rendezvous (ADR 0024): ``agree`` returns the plan one planner
+    computed. ``current_gen`` is what the runtime passes: its watchdog's view of the
+    generation, which costs no store request (the watchdog blocks on the next cause
+    record on a connection of its own); in this harness nothing declares a newer one."""
+    from recovery import rendezvous
     from replication.commit import committed_step
 
     plan, impossible = rendezvous.agree(  # type: ignore[attr-defined]
-        store, gen, record, world, 120.0, lambda: protocol.current_generation(store),
-        lambda: committed_step(store), fenced)
+        store, gen, record, world, 120.0, lambda: gen,
+        lambda: committed_step(store), fenced, blocking=True)
     if impossible is not None:
         raise RuntimeError(impossible)
     return plan

@@ -61,8 +61,13 @@ def join_count_key(gen: int) -> str:
 
 
 def plan_key(gen: int) -> str:
-    """The sealed recovery plan of ``gen``, written once (compare-and-set) by its planner."""
+    """The sealed recovery plan of ``gen``, written once (compare-and-set) by its planner,
+    or, if a newer generation came first, ``{SUPERSEDED: newer}`` (by its declarer)."""
     return f"{gen_prefix(gen)}/plan"
+
+
+#: The field of a plan record that says its generation was superseded, not planned.
+SUPERSEDED = "superseded_by"
 
 
 def plan_takeover_key(gen: int) -> str:
@@ -179,6 +184,10 @@ def declare_failure(
     deadline = time.monotonic() + timeout_s
     while True:
         auth.claim(store, cause_key(nxt), payload)
+        # Wake the ranks blocked on ``observed_gen``'s plan (recovery.rendezvous): a
+        # rendezvous that a newer generation supersedes never gets a plan of its own.
+        # A plan already published stays (claim never replaces a valid record).
+        auth.claim(store, plan_key(observed_gen), json.dumps({SUPERSEDED: nxt}))
         count_failure(store, observed_gen, cause)
         gen = current_generation(store)
         if gen > observed_gen:

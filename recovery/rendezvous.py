@@ -10,7 +10,11 @@ target is the newest committed step; ranks that hold their own snapshot of it ro
 locally; every other rank receives its state from the lowest-ranked survivor holding a
 replica of it; if some state has no copy left, the reason says exactly whose and why)
 and publishes it as ONE sealed record, ``cl/g{G}/plan``, with a compare-and-set
-(:func:`recovery.auth.claim`). Every other rank polls that one key. All ranks therefore
+(:func:`recovery.auth.claim`). Every other rank waits for that one key: the runtime's
+ranks block in the store on it (``blocking=True``: one request, answered when the key is
+written; a declarer of a newer generation writes ``{"superseded_by": G+1}`` there, so
+nobody stays blocked on a generation that will never be planned), and fall back to
+polling it only at the deadline. All ranks therefore
 act on the same bytes: they agree by construction, not because N ranks happened to
 compute the same function of N reads.
 
@@ -33,8 +37,11 @@ N, case            before: requests / keys    now: requests / keys
 Per rank that is 55 / 199 keys (together) and 1,094 / 4,036 keys (one late) before, at
 N=16 / 64, against 11 and 48-50 keys now at both sizes.
 
+The table measures the polling mode. With ``blocking=True`` (what the runtime uses) a
+waiting rank names at most 6 keys however long it waits (``tests/test_rendezvous_scale.py``).
+
 Before, every rank's every poll checked all N join keys and every rank finally read all
-N records: O(N) keys per rank per poll, O(N^2) per recovery. Now a rank makes 2 writes
+N records: O(N) keys per rank per poll, O(N^2) per recovery. Polling, a rank makes 2 writes
 (its record, the counter) and polls one key with a backoff (2 ms growing to 50 ms), plus
 a generation check at most every 20 ms and a fencing check at most every 100 ms; only
 the planner reads N keys, twice (one ``check``, one ``multi_get`` of the N-1 records it
@@ -61,6 +68,7 @@ Failures around the planner (``docs/adr/0024-planner-rendezvous.md``):
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import time
@@ -130,6 +138,7 @@ def agree(
     fenced: Callable[[], str | None] = lambda: None,
     *,
     takeover_s: float = TAKEOVER_S,
+    blocking: bool = False,
 ) -> tuple[RecoveryPlan, str | None]:
     """Join ``gen`` with ``record`` and return the generation's plan, and the reason the
     plan is impossible (then its target is -1) or None. Every rank gets the same pair.
@@ -147,6 +156,10 @@ def agree(
     was taken over); it is checked before publishing and every :data:`FENCE_CHECK_S`
     while waiting, and raises :class:`Fenced`, so a stale process never stands in for
     its replacement. A newer generation raises :class:`GenerationChanged`.
+
+    ``blocking``: ``store`` is this rank's own connection while it waits, so a
+    non-planner blocks in the store for the plan (:meth:`_Rendezvous.block_for_plan`:
+    one request instead of a poll every few milliseconds) before falling back to polling.
     """
     if (why := fenced()) is not None:
         raise Fenced(why)
@@ -154,6 +167,8 @@ def agree(
     rdzv = _Rendezvous(store, gen, record, sealed, world_size, timeout_s, current_gen, fenced)
     if count == world_size:
         return rdzv.plan(committed_step)
+    if blocking and (found := rdzv.block_for_plan()) is not None:
+        return found
     return rdzv.await_plan(committed_step, takeover_s)
 
 
@@ -187,6 +202,9 @@ def published_plan(store: dist.Store, gen: int) -> tuple[RecoveryPlan, str | Non
 def _parse_plan(payload: str, gen: int) -> tuple[RecoveryPlan, str | None] | None:
     try:
         d = json.loads(payload)
+        if isinstance(d, dict) and protocol.SUPERSEDED in d:
+            raise GenerationChanged(
+                f"generation {gen} superseded by {int(d[protocol.SUPERSEDED])}")
         plan = RecoveryPlan(int(d["gen"]), int(d["target_step"]),
                             {int(k): int(v) for k, v in d["providers"].items()},
                             int(d["planner"]))
@@ -226,6 +244,27 @@ class _Rendezvous:
         self._next_repair = now + REPAIR_CHECK_S
 
     # -- waiting ------------------------------------------------------------------------
+    def block_for_plan(self) -> tuple[RecoveryPlan, str | None] | None:
+        """Wait in the store for the plan key, until the deadline: one request, answered
+        the moment the planner (or, for a superseded generation, the next declarer)
+        writes it. None: no valid plan by then (the deadline's diagnosis, or a forged
+        value in the key), and the caller polls as before.
+
+        No fencing, repair or takeover checks run meanwhile; each case ends the wait
+        another way: a node taken over and a planner that dies or hangs both lead to a
+        new generation, whose declarer writes this key. A forger who clobbers this
+        rank's record while it waits delays the plan to the deadline (denial of
+        service, out of scope: ``docs/security.md``).
+        """
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            self.store.wait([plan_key(self.gen)], datetime.timedelta(seconds=left))
+        except (dist.DistStoreError, TimeoutError, RuntimeError):
+            return None  # the deadline: the polling path names the missing ranks
+        return published_plan(self.store, self.gen)
+
     def await_plan(self, committed_step: Callable[[], int],
                    takeover_s: float) -> tuple[RecoveryPlan, str | None]:
         """Poll the plan key until the planner publishes; take over if it stays silent."""

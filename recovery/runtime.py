@@ -553,7 +553,7 @@ class Checkpointless:
         # blocks on the next cause record, or polls, on a connection of its own).
         return agree(self.store, gen, record, self.world_size, timeout,
                      lambda: max(self.watchdog.seen, gen),
-                     lambda: self.committed_step, self._fenced)
+                     lambda: self.committed_step, self._fenced, blocking=True)
 
     def _fenced(self) -> str | None:
         """Why this process no longer owns its rank, or None (see :class:`Fenced`)."""

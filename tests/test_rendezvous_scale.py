@@ -75,6 +75,10 @@ class CountingStore:
         self._count("multi_get", len(keys))
         return self._store.multi_get(keys)
 
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        self._count("wait", len(keys))
+        self._store.wait(keys, timeout)
+
     @property
     def total_requests(self) -> int:
         return sum(self.requests.values())
@@ -138,7 +142,7 @@ def run_ranks(master: Any, ranks: list[int], n: int, *, takeover_s: float = rdzv
               timeout_s: float = 60.0, gen: int = GEN,
               before: threading.Event | None = None,
               records: Any = record_of, late: dict[int, float] | None = None,
-              join: Any = None, connect: Any = None) -> list[Rank]:
+              join: Any = None, connect: Any = None, blocking: bool = False) -> list[Rank]:
     """Run ``agree`` for ``ranks`` of an ``n``-rank job, one thread and one store client
     each, all released together (rank ``r`` then sleeps ``late[r]`` seconds first);
     ``before`` set once every client is connected. ``join`` replaces ``agree`` (the
@@ -162,9 +166,11 @@ def run_ranks(master: Any, ranks: list[int], n: int, *, takeover_s: float = rdzv
         t0 = time.monotonic()
         time.sleep((late or {}).get(p.rank, 0.0))
         try:
+            extra = {"blocking": True} if blocking else {}
             p.result = (join or agree)(cs, gen, records(p.rank, n), n, timeout_s,
                              lambda: protocol.current_generation(cs),
-                             lambda: _trusted_step(cs), fenced, takeover_s=takeover_s)
+                             lambda: _trusted_step(cs), fenced, takeover_s=takeover_s,
+                             **extra)
         except BaseException as exc:
             p.error = exc
         p.elapsed = time.monotonic() - t0
@@ -300,6 +306,51 @@ def test_a_state_without_a_copy_is_one_verdict_for_all(master):
     assert plan.target_step == -1 and impossible is not None
     assert "has no surviving copy" in impossible
     assert rdzv.published_plan(master, GEN) == (plan, impossible)
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.5], ids=["together", "one-late"])
+def test_blocking_waiters_make_one_request_for_the_plan(master, late_s):
+    """The runtime's way (``blocking=True``): a waiting rank blocks in the store on the
+    plan key, so however long it waits, it names a handful of keys: its record, the
+    count, the wait, the plan."""
+    n = 32
+    late = {n // 2: late_s} if late_s else {}
+    people = run_ranks(master, list(range(n)), n, late=late, blocking=True)
+    plan, impossible = agreed(people)
+    assert impossible is None and plan.providers == expected_providers(n)
+    waiters = [p for p in people if p.rank != plan.planner]
+    worst = max(p.store.keys for p in waiters)
+    assert worst <= 6, [(p.rank, p.store.keys) for p in waiters]
+
+
+def test_a_declaration_wakes_ranks_blocked_on_the_plan(master):
+    """A failure during the rendezvous: the declarer marks the superseded generation's
+    plan, so blocked ranks leave at once with GenerationChanged (no poll ends it)."""
+    n = 4
+    woke: list[float] = []
+    result: list[BaseException] = []
+
+    def waiter(rank: int) -> None:
+        cs = tcp_store(master.port, is_master=False, timeout_s=30)
+        try:
+            agree(cs, GEN, record_of(rank, n), n, 30, lambda: GEN, lambda: STEP,
+                  blocking=True)
+        except BaseException as exc:
+            result.append(exc)
+        woke.append(time.monotonic())
+
+    threads = [threading.Thread(target=waiter, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both joined and are blocked: ranks 2 and 3 never come
+    declared = time.monotonic()
+    protocol.declare_failure(master, GEN, {"kind": "worker_exit", "rank": 2,
+                                           "ts": time.time()})
+    for t in threads:
+        t.join(10)
+    assert len(result) == 2 and all(isinstance(e, GenerationChanged) for e in result), result
+    assert all("superseded by" in str(e) for e in result)
+    assert max(woke) - declared < 2.0, max(woke) - declared
 
 
 def test_a_newer_generation_ends_the_wait(master):
