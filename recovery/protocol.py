@@ -75,6 +75,20 @@ def plan_takeover_key(gen: int) -> str:
     return f"{gen_prefix(gen)}/plan_takeover"
 
 
+#: Sealed: the newest step whose logged rows rank 0 released to loggers that have no
+#: local directory (``recovery.integrations.lightning.logger_gate``).
+LOGGED_KEY = "cl/logged_through"
+
+
+def logged_through(store: dist.Store) -> int | None:
+    payload = auth.read(store, LOGGED_KEY)
+    return None if payload is None else int(payload)
+
+
+def mark_logged(store: dist.Store, step: int) -> None:
+    auth.put(store, LOGGED_KEY, str(step))
+
+
 def cause_key(gen: int) -> str:
     return f"{gen_prefix(gen)}/cause"
 

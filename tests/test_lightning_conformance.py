@@ -15,7 +15,8 @@ outcome:
 - a third-party-style callback's plain attributes (no ``state_dict``): its batch count,
   loss history and per-epoch sums;
 - every row of the CSV logger's ``metrics.csv``, in order, in the same ``version_0``
-  directory (no rows twice, none missing, no second version);
+  directory (no rows twice, none missing, no second version), and every row a logger
+  without a local directory (W&B-like) was sent;
 - the checkpoints written (names, which carry step and ``val_loss``).
 """
 
@@ -51,6 +52,13 @@ def _rows(job) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def _remote_rows(job) -> list[dict]:
+    """What the logger without a local directory sent (it cannot read it back)."""
+    path = job.run_dir / "remote.jsonl"
+    assert path.is_file(), f"no {path}"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _checkpoints(job) -> list[str]:
     return sorted(os.listdir(job.run_dir / "ckpts"))
 
@@ -81,6 +89,10 @@ def assert_same_observed(reference, job) -> None:
     assert rows == ref_rows, (
         f"logged rows differ: {len(rows)} rows (steps {steps}) against {len(ref_rows)} "
         f"(steps {[r['step'] for r in ref_rows]})")
+    remote, ref_remote = _remote_rows(job), _remote_rows(reference)
+    assert remote == ref_remote, (
+        f"the remote logger got {len(remote)} rows (steps {[r['step'] for r in remote]}) "
+        f"against {len(ref_remote)}")
     assert _checkpoints(job) == _checkpoints(reference)
 
 
@@ -113,6 +125,20 @@ def test_kill_in_training(tmp_path, reference, fault, spares):
     assert len(job.events("fault_injected")) == 1, job.output()
     assert job.events("recovery"), "nothing recovered"
     assert_same_observed(reference, job)
+
+
+def test_a_remote_logger_gets_each_row_once_when_rank_0_is_replaced(tmp_path, reference):
+    """No logger with a local directory (W&B-like only): the replacement rank 0 learns
+    from the job store which rows its predecessor released, and sends none twice."""
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=1, script=SCRIPT,
+                  script_args=("--remote-only",), timeout_s=300,
+                  overrides=(*FAST, "recovery.fault=0:7:backward:sigkill"))
+    assert_succeeded(job)
+    assert [e for e in job.events("recovery") if e["newcomer"] and e["rank"] == 0]
+    remote, ref_remote = _remote_rows(job), _remote_rows(reference)
+    assert remote == ref_remote, (
+        f"the remote logger got {len(remote)} rows (steps {[r['step'] for r in remote]}) "
+        f"against {len(ref_remote)} (steps {[r['step'] for r in ref_remote]})")
 
 
 def test_kill_in_validation(tmp_path, reference):

@@ -383,6 +383,12 @@ def plain_values(buf: torch.Tensor, meta: SnapshotMeta, taken: set[str]) -> dict
     rebuilds the state from the sidecar's pickle-free skeleton, so nothing written here
     is ever unpickled by the runtime. Keys a tensor already uses, and values that hold
     tensors (DCP keeps a tuple of tensors whole), are left out.
+
+    Only optimizer and scheduler entries get them (:func:`_is_optimizer_or_scheduler`):
+    every byte item is a ``torch.save`` of its own, and a framework's loop state
+    (Lightning's trainer entry: hundreds of small leaves) nearly doubled the time of a
+    save (0.09 s to 0.16 s for a 400 KB Lightning state) for entries nobody loads with
+    plain DCP.
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -390,6 +396,8 @@ def plain_values(buf: torch.Tensor, meta: SnapshotMeta, taken: set[str]) -> dict
 
     out: dict[str, Any] = {}
     for seg in meta.layout.segments:
+        if not _is_optimizer_or_scheduler(codec.loads(meta.skeletons[seg.name])):
+            continue
         state = unflatten_segment(buf[seg.offset: seg.offset + seg.nbytes], seg,
                                   meta.skeletons[seg.name])
         flat, _ = flatten_state_dict({seg.name: state})
@@ -397,6 +405,19 @@ def plain_values(buf: torch.Tensor, meta: SnapshotMeta, taken: set[str]) -> dict
             if key not in taken and not _holds_tensor(value):
                 out[key] = value
     return out
+
+
+#: Top-level keys that make an entry's state dict an optimizer's (``param_groups``) or a
+#: learning-rate scheduler's (``last_epoch``, ``base_lrs``).
+_OPTIMIZER_OR_SCHEDULER_KEYS = frozenset({"param_groups", "last_epoch", "base_lrs"})
+
+
+def _is_optimizer_or_scheduler(skeleton: Any) -> bool:
+    """Judged from the encoded skeleton's top-level keys, without decoding it."""
+    if not isinstance(skeleton, dict) or not isinstance(skeleton.get("D"), list):
+        return False
+    return any(isinstance(kv, list) and len(kv) == 2 and kv[0] in _OPTIMIZER_OR_SCHEDULER_KEYS
+               for kv in skeleton["D"])
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -28,7 +28,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -149,6 +150,34 @@ class Seen(pl.Callback):
         self.history = json.loads(state_dict["history"])
 
 
+class RemoteRows(Logger):
+    """A logger with no local directory, as W&B or MLflow look to Lightning: it sends
+    each row away (here: appends it to a file the test reads) and can never read back
+    what it sent."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._path = path
+
+    @property
+    def name(self) -> str:
+        return "remote"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        row = {"step": step, **{k: round(float(v), 6) for k, v in sorted(metrics.items())}}
+        with open(self._path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 class Tally(pl.Callback):
     """A third-party callback's habit: its state in plain attributes and no
     ``state_dict`` (a batch count, a loss history, per-epoch sums). Lightning never sees
@@ -172,6 +201,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--kill-in-validation", default="")
+    ap.add_argument("--remote-only", action="store_true",
+                    help="only the logger without a local directory (no CSVLogger)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR") or "."
@@ -188,7 +219,9 @@ def main() -> None:
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
         max_epochs=args.epochs, accumulate_grad_batches=2, val_check_interval=4,
         limit_val_batches=3, num_sanity_val_steps=0, log_every_n_steps=1,
-        logger=CSVLogger(out, name="csv"), enable_progress_bar=False,
+        logger=[*([] if args.remote_only else [CSVLogger(out, name="csv")]),
+                RemoteRows(os.path.join(out, "remote.jsonl"))],
+        enable_progress_bar=False,
         enable_model_summary=False, callbacks=[order, seen, early, best, Plateau(), tally],
     )
     train = DataLoader(dataset(192, 0), batch_size=4, shuffle=True)

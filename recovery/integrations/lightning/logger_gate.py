@@ -17,10 +17,13 @@ tagged with the step being trained, and releases a row only when its step is com
 Logger versions travel in the snapshot too, so a replacement rank 0 writes into the same
 ``version_N`` directory, and a ``CSVLogger``'s ``metrics.csv`` is continued, not replaced.
 
-What this does not cover: a logger without a local ``log_dir`` (W&B, MLflow) has no
-marker file, so a replacement rank 0 may write the rows of its last committed steps a
-second time; and a process killed between a logger's ``save`` and the marker's update
-leaves those rows to be written again.
+The marker is also a sealed record in the job store (``protocol.LOGGED_KEY``), written
+by rank 0 after each release: a replacement rank 0 on another node cannot read a marker
+file on the old node's disk, and a logger without a local ``log_dir`` (W&B, MLflow, any
+remote logger) has no file at all; the store record covers both, so the replacement does
+not write its predecessor's last committed rows a second time. One store write per
+release, on rank 0. What this does not cover: a process killed between a logger's
+``save`` and the marker's update leaves those rows to be written again.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ class LoggerGate:
         self._rows: list[tuple[int, int, dict[str, Any], int | None]] = []
         self.released_through = -1
         self.open = False  # pass-through once training is over
+        #: (read, write) of the marker in the job store, for loggers without a local
+        #: directory (see the module docstring); set by :meth:`use_store`.
+        self._remote: tuple[Callable[[], int | None], Callable[[int], None]] | None = None
+
+    def use_store(self, read: Callable[[], int | None], write: Callable[[int], None]) -> None:
+        """Keep the marker in the job store too (see the module docstring)."""
+        self._remote = (read, write)
+        if self._loggers:
+            self._read_marker()
 
     # -- installation ---------------------------------------------------------------------
     def install(self, loggers: list[Any]) -> None:
@@ -140,6 +152,8 @@ class LoggerGate:
         return None
 
     def _read_marker(self) -> None:
+        if self._remote is not None and (stored := self._remote[0]()) is not None:
+            self.released_through = max(self.released_through, stored)
         path = self._marker_path()
         if path and os.path.isfile(path):
             try:
@@ -151,6 +165,8 @@ class LoggerGate:
 
     def _mark(self, step: int) -> None:
         self.released_through = max(self.released_through, step)
+        if self._remote is not None:
+            self._remote[1](self.released_through)
         path = self._marker_path()
         if path is None:
             return

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
+from recovery import protocol
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning import loop_state
 from recovery.integrations.lightning.checkpoint_io import (
@@ -214,6 +215,10 @@ class CheckpointlessStrategy(DDPStrategy):
                 self.session.faults.install(None, optimizer)
         if trainer.state.fn == "fit" and self.global_rank == 0 and trainer.loggers:
             self.gate.install(trainer.loggers)
+            if self.session is not None:
+                store = self.session.store
+                self.gate.use_store(lambda: protocol.logged_through(store),
+                                    lambda step: protocol.mark_logged(store, step))
 
     def teardown(self) -> None:
         io = self.checkpoint_io
