@@ -129,10 +129,14 @@ def test_kill_in_training(tmp_path, reference, fault, spares):
 
 def test_a_remote_logger_gets_each_row_once_when_rank_0_is_replaced(tmp_path, reference):
     """No logger with a local directory (W&B-like only): the replacement rank 0 learns
-    from the job store which rows its predecessor released, and sends none twice."""
+    from the job store which rows its predecessor released, and sends none twice.
+
+    Rank 0 dies in step 7's replication round: at that step's boundary it had already
+    released the rows of step 6 (committed), and step 7 never commits, so the recovery
+    goes back to step 6, whose snapshot still carries those rows as held."""
     job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=1, script=SCRIPT,
                   script_args=("--remote-only",), timeout_s=300,
-                  overrides=(*FAST, "recovery.fault=0:7:backward:sigkill"))
+                  overrides=(*FAST, "recovery.fault=0:7:replication:sigkill"))
     assert_succeeded(job)
     assert [e for e in job.events("recovery") if e["newcomer"] and e["rank"] == 0]
     remote, ref_remote = _remote_rows(job), _remote_rows(reference)
