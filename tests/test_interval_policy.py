@@ -1,0 +1,118 @@
+"""The snapshot interval policy (recovery/interval_policy.py): pure arithmetic, no job."""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import pytest
+
+from recovery.interval_policy import (
+    IntervalPolicy,
+    choose_interval,
+    daly_interval_s,
+)
+
+
+def test_budget_gives_the_shortest_interval_within_it() -> None:
+    # 10 ms added per snapshot on a 100 ms step: 1 step costs 10 %, 5 steps cost 2 %
+    c = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02)
+    assert c.every_n_steps == 5
+    assert c.overhead == pytest.approx(0.02)
+    assert "2.0% budget" in c.text and "no MTBF" in c.text
+    # just over the boundary needs one more step
+    assert choose_interval(step_s=0.1, snapshot_cost_s=0.0101, budget=0.02).every_n_steps == 6
+
+
+def test_a_free_snapshot_is_taken_every_step() -> None:
+    assert choose_interval(step_s=0.1, snapshot_cost_s=0.0).every_n_steps == 1
+    # noise can make a measured cost negative: it counts as 0
+    assert choose_interval(step_s=0.1, snapshot_cost_s=-0.003).every_n_steps == 1
+
+
+def test_daly_interval_wins_when_longer_than_the_budgets() -> None:
+    # cost 10 ms, MTBF 3 h: Daly's optimum ~ sqrt(2 * 0.01 * 10800) = 14.7 s = 147 steps
+    c = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02, mtbf_s=3 * 3600)
+    assert c.n_budget == 5
+    assert c.every_n_steps == round((math.sqrt(2 * 0.01 * 10800) - 0.01) / 0.1)
+    assert "Daly" in c.text
+    # a short MTBF: Daly asks for fewer steps than the budget allows; the budget wins
+    short = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02, mtbf_s=1.0)
+    assert short.every_n_steps == 5 and "the budget wins" in short.text
+
+
+def test_daly_formula_and_its_limits() -> None:
+    assert daly_interval_s(1.0, 5000.0) == pytest.approx(math.sqrt(2 * 5000) - 1)
+    assert daly_interval_s(1.0, 5000.0, 100.0) == pytest.approx(math.sqrt(2 * 5100) - 1)
+    assert daly_interval_s(30.0, 10.0) == 10.0  # a snapshot dearer than 2 MTBFs
+
+
+def test_a_round_longer_than_the_interval_sets_the_minimum() -> None:
+    c = choose_interval(step_s=0.1, snapshot_cost_s=0.0, round_s=0.35)
+    assert c.every_n_steps == 4 and c.n_round == 4
+    assert "round lasts" in c.text
+
+
+def test_cap_and_bad_inputs() -> None:
+    c = choose_interval(step_s=0.001, snapshot_cost_s=10.0, budget=0.02, max_interval=100)
+    assert c.every_n_steps == 100 and "capped" in c.text
+    with pytest.raises(ValueError):
+        choose_interval(step_s=0.0, snapshot_cost_s=0.1)
+    with pytest.raises(ValueError):
+        choose_interval(step_s=0.1, snapshot_cost_s=0.1, budget=0.0)
+
+
+def drive(policy: IntervalPolicy, steps: int, plain_s: float, cost_s: float,
+          spill: float = 0.5, start: int = 1) -> list[int]:
+    """Feed ``policy`` a synthetic run: a snapshot adds ``cost_s``, part of it to the
+    snapshot step and ``spill`` of it to the step after (the round's CPU time).
+    Returns the steps snapshotted."""
+    snapped: list[int] = []
+    carry = 0.0
+    for i in range(start, start + steps):
+        snap = policy.wants_snapshot()
+        t = plain_s + carry + (cost_s * (1 - spill) if snap else 0.0)
+        carry = cost_s * spill if snap else 0.0
+        policy.observe(t, snap)
+        if snap:
+            snapped.append(i)
+        if policy.due():
+            local = policy.propose()
+            assert local is not None
+            policy.adopt(local.every_n_steps, local)
+    return snapped
+
+
+def test_policy_probes_then_learns_the_cost_and_picks_the_interval() -> None:
+    p = IntervalPolicy(budget=0.02, probe_steps=8)
+    snapped = drive(p, 16, plain_s=0.1, cost_s=0.01)
+    assert snapped == list(range(9, 17))  # 8 plain steps, then 8 at interval 1
+    assert p.plain_step_s == pytest.approx(0.1)
+    assert p.snapshot_cost_s == pytest.approx(0.01)
+    assert p.every_n_steps == 5
+    snapped = drive(p, 40, plain_s=0.1, cost_s=0.01, start=17)
+    assert len(snapped) >= 7 and all(b - a == 5 for a, b in pairwise(snapped))
+    assert p.snapshot_cost_s == pytest.approx(0.01)  # whole intervals keep measuring it
+
+
+def test_policy_reevaluates_when_costs_change_and_ignores_noise() -> None:
+    p = IntervalPolicy(budget=0.02, probe_steps=8, reeval_steps=50, window=4)
+    drive(p, 16 + 100, plain_s=0.1, cost_s=0.01)
+    assert p.every_n_steps == 5
+    drive(p, 400, plain_s=0.1, cost_s=0.011, start=117)  # +10 %: within the hysteresis
+    assert p.every_n_steps == 5
+    drive(p, 600, plain_s=0.1, cost_s=0.04, start=517)  # four times dearer
+    assert p.every_n_steps == 20
+
+
+def test_adopt_takes_the_agreed_interval_and_says_so() -> None:
+    p = IntervalPolicy(probe_steps=2)
+    drive_steps = [(0.1, False), (0.1, False), (0.11, True), (0.11, True)]
+    for t, snap in drive_steps:
+        p.observe(t, snap)
+    assert p.due()
+    local = p.propose()
+    assert local is not None and local.every_n_steps == 5
+    chosen = p.adopt(9, local)  # another rank measured more
+    assert chosen is not None and chosen.every_n_steps == 9
+    assert "another rank" in chosen.text
