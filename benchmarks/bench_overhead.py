@@ -135,7 +135,7 @@ def phases_for(kind: str, state_bytes: int, rates: tuple[float, ...], every_n: i
             if kind == "cpu":
                 out.append({**base, "name": f"auto_{rate}", "every": -1, "budget": 0.02,
                             "only": ["plain", "k2"],
-                            "warm": 16, "steps": 120 if quick else 400,
+                            "warm": 50, "steps": 120 if quick else 400,
                             "max_steps": round((25 if quick else 120) / step_s)})
     return out
 

@@ -136,22 +136,23 @@ class IntervalPolicy:
        the rank that pays most decides, so no rank exceeds the budget) and calls
        :meth:`adopt` with it.
 
-    The policy starts with ``probe_steps`` steps without snapshots, then
-    ``probe_steps`` at interval 1 (a step's own time, then a snapshot's added time).
-    Afterwards every interval is one sample: its steps' total minus ``n`` plain steps
-    is one snapshot's added time. Plain step time is learned from the steps at least
+    The policy starts at interval ``probe_every`` and proposes after ``probe_steps``
+    steps. Every interval is one sample: its steps' total minus ``n`` plain steps is
+    one snapshot's added time. Plain step time is learned from the steps at least
     ``settle_steps`` after a snapshot (a round's work may land in the steps just after
-    it). Estimates are the median of the last ``window`` samples. A new interval is
-    taken only when it differs by more than ``hysteresis`` (relative) from the one in
-    force, so noise does not make it flap; choices are re-made at the first snapshot
+    it), so the probe's interval must be longer than that. Estimates are the median of
+    the last ``window`` samples. A longer interval is always taken (the cost rose: the
+    budget demands it); a shorter one only when it is more than ``hysteresis``
+    (relative) shorter, so noise does not make it flap; choices are re-made at the first snapshot
     ``reeval_steps`` or more after the last one.
     """
 
     budget: float = DEFAULT_BUDGET
     mtbf_s: float | None = None
     recovery_s: float = 0.0
-    probe_steps: int = 8
-    settle_steps: int = 2
+    probe_every: int = 8
+    probe_steps: int = 48
+    settle_steps: int = 3
     window: int = 16
     hysteresis: float = 0.25
     reeval_steps: int = 200
@@ -169,18 +170,14 @@ class IntervalPolicy:
 
     @property
     def every_n_steps(self) -> int:
-        """The interval now in force (1 while probing)."""
-        return self.current.every_n_steps if self.current is not None else 1
+        """The interval now in force (``probe_every`` while probing)."""
+        return self.current.every_n_steps if self.current is not None else self.probe_every
 
     def wants_snapshot(self) -> bool:
-        """Whether the step about to be observed should be snapshotted (every rank
-        observes the same steps, so every rank answers the same). During the probe:
-        none in the first ``probe_steps``, then every step; afterwards ``n`` steps after
-        the last snapshot."""
-        upcoming = self._steps + 1
-        if self.current is None:
-            return upcoming > self.probe_steps
-        return upcoming - self._last_snapshot >= self.current.every_n_steps
+        """Whether the step about to be observed should be snapshotted: ``n`` steps
+        after the last one (every rank observes the same steps, so every rank answers
+        the same)."""
+        return self._steps + 1 - self._last_snapshot >= self.every_n_steps
 
     def observe(self, step_s: float, snapshotted: bool, round_s: float | None = None) -> None:
         """Record one step (see the class docstring)."""
@@ -206,10 +203,13 @@ class IntervalPolicy:
         """Whether to propose and agree now: at the end of the probe, then at the first
         snapshot ``reeval_steps`` after the last choice (the same step on every rank, as
         long as every rank observes every step)."""
-        if self.current is None:
-            return self._steps == 2 * self.probe_steps
-        return (self._since_snapshot == 0
-                and self._steps - self._last_eval >= self.reeval_steps)
+        wait = self.probe_steps if self.current is None else self.reeval_steps
+        return self._since_snapshot == 0 and self._steps - self._last_eval >= wait
+
+    @property
+    def probed(self) -> bool:
+        """Whether the probe's steps are done (a proposal can be made)."""
+        return self._steps >= self.probe_steps
 
     @property
     def plain_step_s(self) -> float | None:
@@ -237,8 +237,9 @@ class IntervalPolicy:
         self._last_eval = self._steps
         n = max(1, int(every_n_steps))
         old = self.current
-        if old is not None and abs(n / old.every_n_steps - 1) <= self.hysteresis:
-            return None
+        if old is not None and (n == old.every_n_steps or (
+                n < old.every_n_steps and n >= old.every_n_steps * (1 - self.hysteresis))):
+            return None  # longer: always taken (the budget); shorter: only if clearly
         reasons = local.reasons if local is not None else ()
         if local is not None and local.every_n_steps != n:
             reasons = (*reasons, f"another rank measured a higher cost: every {n} steps "

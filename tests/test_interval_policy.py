@@ -84,35 +84,69 @@ def drive(policy: IntervalPolicy, steps: int, plain_s: float, cost_s: float,
 
 
 def test_policy_probes_then_learns_the_cost_and_picks_the_interval() -> None:
-    p = IntervalPolicy(budget=0.02, probe_steps=8)
-    snapped = drive(p, 16, plain_s=0.1, cost_s=0.01)
-    assert snapped == list(range(9, 17))  # 8 plain steps, then 8 at interval 1
+    p = IntervalPolicy(budget=0.02, probe_every=8, probe_steps=48)
+    snapped = drive(p, 48, plain_s=0.1, cost_s=0.01)
+    assert snapped == list(range(8, 49, 8))  # the probe's interval
     assert p.plain_step_s == pytest.approx(0.1)
     assert p.snapshot_cost_s == pytest.approx(0.01)
     assert p.every_n_steps == 5
-    snapped = drive(p, 40, plain_s=0.1, cost_s=0.01, start=17)
+    snapped = drive(p, 40, plain_s=0.1, cost_s=0.01, start=49)
     assert len(snapped) >= 7 and all(b - a == 5 for a, b in pairwise(snapped))
     assert p.snapshot_cost_s == pytest.approx(0.01)  # whole intervals keep measuring it
 
 
 def test_policy_reevaluates_when_costs_change_and_ignores_noise() -> None:
-    p = IntervalPolicy(budget=0.02, probe_steps=8, reeval_steps=50, window=4)
-    drive(p, 16 + 100, plain_s=0.1, cost_s=0.01)
+    p = IntervalPolicy(budget=0.02, reeval_steps=50, window=4)
+    drive(p, 48 + 100, plain_s=0.1, cost_s=0.01)
     assert p.every_n_steps == 5
-    drive(p, 400, plain_s=0.1, cost_s=0.011, start=117)  # +10 %: within the hysteresis
-    assert p.every_n_steps == 5
-    drive(p, 600, plain_s=0.1, cost_s=0.04, start=517)  # four times dearer
+    drive(p, 600, plain_s=0.1, cost_s=0.04, start=149)  # four times dearer: longer at once
     assert p.every_n_steps == 20
+    drive(p, 600, plain_s=0.1, cost_s=0.034, start=749)  # 17 steps would do: within the
+    assert p.every_n_steps == 20  # hysteresis, kept
+    drive(p, 600, plain_s=0.1, cost_s=0.01, start=1349)  # clearly cheaper again
+    assert p.every_n_steps == 5
 
 
 def test_adopt_takes_the_agreed_interval_and_says_so() -> None:
-    p = IntervalPolicy(probe_steps=2)
-    drive_steps = [(0.1, False), (0.1, False), (0.11, True), (0.11, True)]
-    for t, snap in drive_steps:
-        p.observe(t, snap)
+    p = IntervalPolicy(probe_every=4, probe_steps=8, settle_steps=2)
+    for i in range(1, 9):
+        snap = p.wants_snapshot()
+        assert snap == (i % 4 == 0)
+        p.observe(0.1 + (0.01 if snap else 0.0), snap)
     assert p.due()
     local = p.propose()
     assert local is not None and local.every_n_steps == 5
     chosen = p.adopt(9, local)  # another rank measured more
     assert chosen is not None and chosen.every_n_steps == 9
     assert "another rank" in chosen.text
+    assert not p.due()
+
+
+# -- the recipe: every_n_steps accepts 'auto', with max_overhead and recovery.mtbf_s -------
+def test_recipe_accepts_auto_and_the_budget(tmp_path) -> None:
+    from recovery.recipe import ConfigError, load_config
+    from recovery.recipe.serialize import config_from_json, config_to_json
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("checkpointless: {replication: {every_n_steps: auto, max_overhead: 0.05},"
+                      " recovery: {mtbf_s: 10800}}")
+    cfg = load_config(str(recipe), env={})
+    assert cfg.replication.every_n_steps == "auto"
+    assert cfg.replication.max_overhead == 0.05 and cfg.recovery.mtbf_s == 10800
+    assert config_from_json(config_to_json(cfg)) == cfg  # what the worker reads back
+    cfg = load_config(None, ["replication.every_n_steps=AUTO"], env={})
+    assert cfg.replication.every_n_steps == "auto"
+    cfg = load_config(None, [], env={"CHECKPOINTLESS_REPLICATION_EVERY_N_STEPS": "auto"})
+    assert cfg.replication.every_n_steps == "auto"
+    assert load_config(None, ["replication.every_n_steps=4"], env={}).replication \
+        .every_n_steps == 4  # a fixed number still works as before
+    assert load_config(env={}).recovery.mtbf_s is None
+    assert load_config(env={}).replication.max_overhead == 0.02
+    for bad in ("replication.every_n_steps=sometimes", "replication.every_n_steps=0",
+                "replication.max_overhead=0", "recovery.mtbf_s=-5"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [bad], env={})
+        assert bad.split("=")[0] in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["replication.every_n_steps=sometimes"], env={})
+    assert "'auto'" in str(err.value)
