@@ -141,6 +141,9 @@ class Job:
             self.compute(phase)
             if policy is not None:
                 snap = policy.wants_snapshot()
+            elif every == -2:  # the runtime's own cadence (every_n_steps: auto, wired)
+                snap = None
+                taken = self.step % int(self.cl.settings.replication.every_n_steps) == 0
             else:
                 snap = every > 0 and self.step % every == 0
             if self.cl is not None:
@@ -149,7 +152,7 @@ class Job:
                 self.dcp_save()
             t = time.perf_counter()
             times.append(t - t_prev)
-            snaps.append(snap)
+            snaps.append(bool(snap) if snap is not None else taken)
             t_prev = t
             if policy is not None:
                 rnd = self.cl.replicator.last_round if snap else None
@@ -168,6 +171,8 @@ class Job:
                                     phase.get("max_steps", total))
         out: dict = {"name": phase["name"], "times": times[phase["warm"]:],
                      "snaps": snaps[phase["warm"]:]}
+        if every == -2 and self.cl is not None and self.cl.auto_interval is not None:
+            out.update(auto_every=int(self.cl.settings.replication.every_n_steps))
         if policy is not None and policy.current is not None:
             out.update(auto_every=policy.current.every_n_steps, auto_choices=choices,
                        auto_cost_s=policy.snapshot_cost_s, auto_plain_s=policy.plain_step_s)

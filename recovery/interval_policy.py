@@ -105,9 +105,10 @@ def choose_interval(
         tau = daly_interval_s(c, mtbf_s, recovery_s)
         n_daly = max(1, round(tau / step_s))
         if n_daly > n:
-            reasons.append(f"with an MTBF of {mtbf_s:.0f} s and recovery of {recovery_s:.1f} s, "
-                           f"Daly's optimum is {tau:.1f} s of work ({n_daly} steps), which "
-                           "loses less time in all than the budget's shortest interval")
+            rec = f" and recovery of {recovery_s:.1f} s" if recovery_s > 0 else ""
+            reasons.append(f"with an MTBF of {mtbf_s:.0f} s{rec}, Daly's optimum is "
+                           f"{tau:.1f} s of work ({n_daly} steps), which loses less time "
+                           "in all than the budget's shortest interval")
             n = n_daly
         else:
             reasons.append(f"Daly's optimum for an MTBF of {mtbf_s:.0f} s ({n_daly} steps) "
