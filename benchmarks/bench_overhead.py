@@ -56,6 +56,7 @@ from pathlib import Path
 
 from benchmarks import goodput_model
 from benchmarks._harness import REPO, emit, free_port, job_env, median, progress, wait_all
+from benchmarks.goodput_model import HOUR
 
 RATES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 QUICK_RATES = (0.1, 0.5, 2.0)
@@ -110,7 +111,7 @@ def phases_for(kind: str, state_bytes: int, rates: tuple[float, ...], every_n: i
     """The sweep's phases for one kind; every job (plain, k1, k2) runs the same list
     (plain ignores the intervals; ``dcp`` and ``auto`` phases are ignored where not
     meant: plain runs them as plain steps, as the references)."""
-    budget_s = 1.6 if quick else 6.0  # seconds of timed steps per phase, roughly
+    budget_s = 1.2 if quick else 6.0  # seconds of timed steps per phase, roughly
     # Not timed: the first steps of a job run slower (allocator, caches, the runtime's
     # first slots), which would bias whichever phase came first.
     first = state_bytes / (rates[0] * 1e9)
@@ -346,40 +347,36 @@ def main(argv: list[str] | None = None) -> None:
                 result["overhead_auto_cpu_same_run"] = (
                     mean(whole_intervals(auto["times"], auto["snaps"])) / median(own) - 1)
 
-    # -- where it pays: the goodput model, fed with this run's device figures ----------
-    kind = "device" if "device" in per_kind else kinds[0]
+    # -- where it pays: the goodput model, fed with this run's figures, per kind --------
     rec = recovery_inputs()
-    k2 = {p["name"]: p for p in per_kind[kind]["k2"]["phases"]}
-    prof = result[f"profile_k2_every1_{kind}"]
-    m = goodput_model.Measured(
-        step_s=result[f"plain_step_s_{kind}_{KEY_RATE}"],
-        cl_snapshot_cost_s=max(result[f"k2_snapshot_cost_s_{kind}"], 0.0),
-        cl_round_s=1e-3 * (prof["round_seal_copy_hash_ms"] + prof["round_announce_ms"]
-                           + prof["round_receive_verify_ms"] + prof["round_send_rest_ms"]
-                           + prof["round_commit_ms"]),
-        cl_recovery_s=rec["cl_recovery_s"],
-        dcp_save_cost_s=max(result[f"dcp_save_cost_s_{kind}"], 1e-6),
-        dcp_restart_s=rec["dcp_restart_s"],
-    )
-    del k2
-    cross = goodput_model.crossover_mtbf_s(m)
-    result.update(
-        goodput_model_kind=kind,
-        goodput_model_inputs={**m.__dict__, "recovery_source": rec["source"],
-                              "dcp_restart_measured_s": rec["dcp_restart_measured_s"],
-                              "dcp_restart_redo_s": rec["dcp_restart_redo_s"]},
-        crossover_mtbf_s=cross,
-        goodput_ratio_at_mtbf_3h=goodput_model.ratio_at(m, 3 * goodput_model.HOUR),
-        goodput_curve={f"{label}": {"checkpointless": round(goodput_model.checkpointless(m, s)[0],
-                                                            5),
-                                    "dcp": round(goodput_model.dcp(m, s)[0], 5),
-                                    "cl_every_n": goodput_model.checkpointless(m, s)[1]}
-                       for label, s in (("1min", 60), ("10min", 600), ("1h", 3600),
-                                        ("3h", 10800), ("24h", 86400))},
-    )
-    if args.plot:
-        goodput_model.plot(m, args.plot, f"{state_bytes / 2**20:.0f} MiB/rank, "
-                           f"{KEY_RATE} GB/s per rank, {kind} step, k=2; this 2-core host")
+    for kind in per_kind:
+        prof = result[f"profile_k2_every1_{kind}"]
+        m = goodput_model.Measured(
+            step_s=result[f"plain_step_s_{kind}_{KEY_RATE}"],
+            cl_snapshot_cost_s=max(result[f"k2_snapshot_cost_s_{kind}"], 0.0),
+            cl_round_s=1e-3 * (prof["round_seal_copy_hash_ms"] + prof["round_announce_ms"]
+                               + prof["round_receive_verify_ms"] + prof["round_send_rest_ms"]
+                               + prof["round_commit_ms"]),
+            cl_recovery_s=rec["cl_recovery_s"],
+            dcp_save_cost_s=max(result[f"dcp_save_cost_s_{kind}"], 1e-6),
+            dcp_restart_s=rec["dcp_restart_s"],
+        )
+        sfx = "" if kind == "device" else f"_{kind}"
+        result[f"goodput_model_inputs{sfx}"] = dict(m.__dict__)
+        result[f"crossover_mtbf_s{sfx}"] = goodput_model.crossover_mtbf_s(m)
+        result[f"goodput_ratio_at_mtbf_3h{sfx}"] = goodput_model.ratio_at(m, 3 * HOUR)
+        result[f"goodput_curve{sfx}"] = {
+            label: {"checkpointless": round(goodput_model.checkpointless(m, s)[0], 5),
+                    "dcp": round(goodput_model.dcp(m, s)[0], 5),
+                    "cl_every_n": goodput_model.checkpointless(m, s)[1],
+                    "dcp_interval_s": round(goodput_model.dcp(m, s)[1], 2)}
+            for label, s in (("1min", 60), ("10min", 600), ("1h", HOUR), ("3h", 3 * HOUR),
+                             ("24h", 24 * HOUR))}
+        if args.plot and kind == "device":
+            goodput_model.plot(m, args.plot, f"{state_bytes / 2**20:.0f} MiB/rank, {KEY_RATE} "
+                               "GB/s per rank, device-emulated step, k=2; measured on a 2-core "
+                               "host")
+    result["goodput_recovery_source"] = rec
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     emit({k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.items()})
 
