@@ -133,7 +133,10 @@ class Job:
         total = phase["warm"] + phase["steps"]
         t_prev = time.perf_counter()
         i = 0
+        cpu_at_warm = time.process_time() if phase["warm"] == 0 else None
         while i < total:
+            if i == phase["warm"] and cpu_at_warm is None:
+                cpu_at_warm = time.process_time()  # this process, every thread
             i += 1
             self.step += 1
             if self.cl is not None:
@@ -170,7 +173,8 @@ class Job:
                         total = min(max(total, i + 2 * c.every_n_steps + 1),
                                     phase.get("max_steps", total))
         out: dict = {"name": phase["name"], "times": times[phase["warm"]:],
-                     "snaps": snaps[phase["warm"]:]}
+                     "snaps": snaps[phase["warm"]:],
+                     "cpu_s": time.process_time() - (cpu_at_warm or 0.0)}
         if every == -2 and self.cl is not None and self.cl.auto_interval is not None:
             out.update(auto_every=int(self.cl.settings.replication.every_n_steps))
         if policy is not None and policy.current is not None:

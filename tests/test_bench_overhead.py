@@ -89,3 +89,14 @@ def test_dearer_snapshots_lose_at_long_mtbf() -> None:
     assert gm.ratio_at(m, 86400) < 1.0
     assert gm.ratio_at(m, 600) > 1.0
     assert gm.dcp(m, cross * 1.5)[0] > gm.checkpointless(m, cross * 1.5)[0]
+
+
+def test_the_models_snapshot_cost_is_never_below_what_was_measured_directly() -> None:
+    r = {"profile_k2_every1_device": {"loop_capture_ms": 1.0},
+         "profile_k2_every1_cpu": {"loop_capture_ms": 1.0},
+         "k2_snapshot_cost_s_device": -0.004, "k2_snapshot_cost_s_cpu": -0.2,
+         "cputime_overhead_k2_everyN_cpu": 0.05, "plain_step_s_cpu_0.5": 0.1}
+    assert bo.snapshot_cost_for_model(r, "device", 8) == pytest.approx(0.001)
+    assert bo.snapshot_cost_for_model(r, "cpu", 8) == pytest.approx(0.04)
+    r["k2_snapshot_cost_s_device"] = 0.003
+    assert bo.snapshot_cost_for_model(r, "device", 8) == pytest.approx(0.003)
