@@ -168,9 +168,9 @@ class Job:
                     c = policy.adopt(int(agreed.item()), local) if agreed.item() > 0 else None
                     if c is not None:
                         choices.append(f"step {i}: {c.text}")
-                        # time at least two whole intervals after the choice (both ranks
+                        # time at least five whole intervals after the choice (both ranks
                         # agree on n, so on the length), within the phase's cap
-                        total = min(max(total, i + 2 * c.every_n_steps + 1),
+                        total = min(max(total, i + 5 * c.every_n_steps + 1),
                                     phase.get("max_steps", total))
         out: dict = {"name": phase["name"], "times": times[phase["warm"]:],
                      "snaps": snaps[phase["warm"]:],

@@ -15,6 +15,13 @@ def test_whole_intervals_count_each_snapshot_once() -> None:
     assert bo.whole_intervals(times, [False] * 7) == times
 
 
+def test_interval_step_is_robust_to_one_stall() -> None:
+    snaps = [True, False, False, True, False, False, True, False, False, True]
+    times = [0.0, 1.0, 1.3, 1.0, 1.0, 1.3, 1.0, 9.0, 1.3, 0.0]  # a 9 s stall in interval 3
+    assert bo.interval_step_s(times, snaps) == pytest.approx(3.3 / 3)
+    assert bo.interval_step_s([1.0, 2.0], [False, False]) == pytest.approx(1.5)
+
+
 def test_overheads_are_against_the_same_plain_phase() -> None:
     plain = {"phases": [{"name": "warmup", "times": [9.0]},
                         {"name": "every1_0.5", "times": [0.1, 0.1]},
