@@ -409,6 +409,13 @@ def main(argv: list[str] | None = None) -> None:
                     "dcp_interval_s": round(goodput_model.dcp(m, s)[1], 2)}
             for label, s in (("1min", 60), ("10min", 600), ("1h", HOUR), ("3h", 3 * HOUR),
                              ("24h", 24 * HOUR))}
+        for label, row in result[f"goodput_curve{sfx}"].items():
+            progress(f"goodput at MTBF {label:>5} ({kind} step): checkpointless "
+                     f"{row['checkpointless']:.4f} (every {row['cl_every_n']} steps), torchrun + "
+                     f"DCP {row['dcp']:.4f} (every {row['dcp_interval_s']:.0f} s)")
+        cross = result[f"crossover_mtbf_s{sfx}"]
+        progress(f"crossover ({kind}): "
+                 f"{'none in 1 min - 24 h' if cross is None else f'{cross / HOUR:.2f} h'}")
         if args.plot and kind == "device":
             goodput_model.plot(m, args.plot, f"{state_bytes / 2**20:.0f} MiB/rank, {KEY_RATE} "
                                "GB/s per rank, device-emulated step, k=2; measured on a 2-core "
