@@ -150,3 +150,51 @@ def test_recipe_accepts_auto_and_the_budget(tmp_path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["replication.every_n_steps=sometimes"], env={})
     assert "'auto'" in str(err.value)
+
+
+# -- the runtime's adapter (recovery/auto_interval.py), without a job -----------------
+def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
+    from recovery import auto_interval
+    from recovery.recipe import CheckpointlessConfig
+    from replication.state import TrainingState
+
+    class Log:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def emit(self, event: str, **fields: object) -> None:
+            self.events.append({"event": event, **fields})
+
+    settings = CheckpointlessConfig()
+    assert auto_interval.AutoInterval.from_settings(
+        settings, 0, Log(), TrainingState(), lambda t: None) is None  # a fixed number
+    settings.replication.every_n_steps = "auto"
+    others = [0]  # what the other rank proposes (0: nothing measured yet)
+
+    def agree(t) -> None:  # all-reduce MAX with one other rank
+        t[0] = max(int(t[0]), others[0])
+
+    log, state = Log(), TrainingState()
+    ai = auto_interval.AutoInterval.from_settings(settings, 0, log, state, agree)
+    assert ai is not None and "_auto_interval" in state.replay_exempt
+    assert settings.replication.every_n_steps == ai.policy.probe_every  # an int again
+    clock = [0.0]
+    auto_interval.time.perf_counter = lambda: clock[0]  # type: ignore[attr-defined]
+    try:
+        for step in range(1, auto_interval.AGREE_EVERY + 1):
+            snap = step % settings.replication.every_n_steps == 0
+            clock[0] += 0.1 + (0.01 if snap else 0.0)
+            ai.after_step(step, snap, None)
+    finally:
+        import time as _time
+
+        auto_interval.time.perf_counter = _time.perf_counter  # type: ignore[attr-defined]
+    assert settings.replication.every_n_steps == 5  # 10 ms on 100 ms, 2 % budget
+    assert log.events[-1]["event"] == "auto_interval" and log.events[-1]["every_n_steps"] == 5
+    assert ai.state_dict() == {"every_n_steps": 5}
+    ai.load_state_dict({"every_n_steps": 8})  # a rollback to a step before the choice
+    assert settings.replication.every_n_steps == 8
+    others[0] = 12  # the other rank pays more: its interval is agreed by both
+    ai.after_step(2 * auto_interval.AGREE_EVERY, True, None)
+    assert settings.replication.every_n_steps == 12
+    assert "another rank" in " ".join(log.events[-1]["reasons"])
