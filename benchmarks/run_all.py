@@ -120,6 +120,27 @@ BENCHES = {
                 "a gloo group was destroyed on the main thread: a known defect, see "
                 "README). The figures below are seed 0's.",
     },
+    "bench_overhead": {
+        "title": "The always-on cost: the runtime vs plain training, and where it pays (issue 19)",
+        "accept": {
+            "overhead_plain_k2_every1_device": ("<=", 0.03),
+            "overhead_plain_auto_cpu": ("<=", 0.03),
+            "goodput_ratio_at_mtbf_3h": (">=", 1.0),
+        },
+        "note": "The same 2-rank job (2 nodes x 1 worker, each rank its own state) plain "
+                "under torchrun, under the runtime at k=1 and at k=2, snapshots every step "
+                "and every 8, on cpu-bound steps (real compute sharing the 2 cores) and "
+                "device-emulated steps (the host waits natively for an emulated GPU step, "
+                "see docs/performance.md for what that captures and what it does not). "
+                "Headline keys at 0.5 GB/s of state per rank per second of step; every "
+                "point of the sweep is in the JSON. `overhead_plain_auto_cpu`: "
+                "`every_n_steps: auto`'s interval policy with the 2 % budget (target "
+                "budget + 0.01). `goodput_ratio_at_mtbf_3h` and `crossover_mtbf_s` (target "
+                "null or > 24 h) come from benchmarks/goodput_model.py fed with this run's "
+                "device-step costs and bench_recovery's recovery and restart times. "
+                "Timings on this shared 2-core host move with its load: `load_avg_1m` "
+                "lists the 1-minute load average around each job.",
+    },
     "bench_dataloader_cache": {
         "title": "Data loader cache (issue 5)",
         "accept": {

@@ -23,6 +23,15 @@ class RecoveryConfig:
         default=30.0,
         metadata={"help": "a worker silent this long is declared hung and killed", "min": 0.5},
     )
+    mtbf_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "the job's mean time between failures, if known: with "
+            "replication.every_n_steps: auto, the interval is Daly's optimum for it when "
+            "that is longer than the overhead budget's shortest",
+            "min": 1.0,
+        },
+    )
     collective_timeout_s: float = field(
         default=60.0,
         metadata={

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import xxhash
 
 from recovery import auth, elastic_controller, process_groups, protocol, user_errors
+from recovery.auto_interval import AutoInterval
 from recovery.causes import FailureCause, classify
 from recovery.durable_tier import DurableTier
 from recovery.env import WorkerEnv
@@ -104,6 +105,9 @@ class Checkpointless:
                 self.state.register(name, obj)
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
+        self.auto_interval = AutoInterval.from_settings(  # replication.every_n_steps: auto
+            self.settings, self.rank, self.log, self.state, lambda t: self.wait(
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)))
         # Store values that fail the job-key check are ignored and reported here.
         auth.set_reporter(lambda **f: self.log.emit(Event.AUTH_REJECTED, rank=self.rank, **f))
         self.store = self._connect_store()
@@ -353,6 +357,8 @@ class Checkpointless:
             rnd = self.replicator.last_round if stall is not None else None
             self.log.emit(Event.STEP, step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
                           replicated=dataclasses.asdict(rnd) if rnd is not None else None)
+        if self.auto_interval is not None:
+            self.auto_interval.after_step(step, stall is not None, self.replicator.last_round)
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.

@@ -22,8 +22,23 @@ class ReplicationConfig:
         default=2,
         metadata={"help": "copies of each rank's state, its own included", "min": 1, "max": 8},
     )
-    every_n_steps: int = field(
-        default=1, metadata={"help": "snapshot (and replicate) every N steps", "min": 1}
+    every_n_steps: int = field(  # or the word "auto" (the recipe's "words")
+        default=1,
+        metadata={
+            "help": "snapshot (and replicate) every N steps; 'auto' measures the costs in "
+            "the first steps and picks N within max_overhead (Young/Daly with "
+            "recovery.mtbf_s), re-choosing when they change (ADR 0025)",
+            "min": 1,
+            "words": ["auto"],
+        },
+    )
+    max_overhead: float = field(
+        default=0.02,
+        metadata={
+            "help": "with every_n_steps: auto, the fraction of step time snapshots may add",
+            "min": 0.0001,
+            "max": 1.0,
+        },
     )
     commit: str = field(
         default="tree",

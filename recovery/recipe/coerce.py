@@ -91,6 +91,10 @@ def coerce(spec: FieldSpec, value: Any, *, from_text: bool = False) -> Any:
         extra = f" ({detail})" if detail and detail != "type" else ""
         return InvalidValue(f"{got}{extra}; expected {expected}")
 
+    if spec.words and isinstance(value, str):
+        word = value.strip().strip("'\"").strip().lower()
+        if word in spec.words:
+            return word  # a numeric field's word, such as every_n_steps: auto
     if spec.kind == "str":
         result = _to_str(spec, value, from_text, fail)
         if isinstance(result, str) and not _is_text(result):

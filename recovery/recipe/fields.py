@@ -32,6 +32,7 @@ class FieldSpec:
     min: float | None = None
     max: float | None = None
     help: str = ""
+    words: tuple[str, ...] | None = None  # words a numeric field also takes ("auto")
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -63,6 +64,8 @@ class FieldSpec:
             text += f" >= {self.min}"
         elif self.max is not None:
             text += f" <= {self.max}"
+        if self.words:
+            text += ", or " + " or ".join(repr(w) for w in self.words)
         if self.nullable:
             text += ", or null"
         return text
@@ -105,6 +108,7 @@ def _specs_of(cls: type, section: str | None) -> list[FieldSpec]:
                 min=meta.get("min"),
                 max=meta.get("max"),
                 help=meta.get("help", ""),
+                words=tuple(meta["words"]) if "words" in meta else None,
             )
         )
     return specs

@@ -1,0 +1,259 @@
+"""How often to snapshot: the interval that costs least, within an overhead budget.
+
+``replication.every_n_steps: auto`` (and ``persistence.every_n_steps: auto``) hands the
+choice to this module. The runtime pays a cost on every snapshot (the loop's stall, and
+on a host whose cores also train, the round's CPU time taken from the step); a failure
+costs the work done since the newest committed snapshot. Snapshotting more often
+lowers the second and raises the first. The module is pure arithmetic over measured
+inputs, so it can be tested without a job and reused by the benchmarks' goodput model:
+
+- :func:`choose_interval` turns measured costs (step time, the added seconds per
+  snapshot, the round's duration, recovery time, MTBF) into an interval in steps, with
+  the reasons as text;
+- :class:`IntervalPolicy` is fed one step at a time (its wall time, and whether a
+  snapshot was taken after it), learns the step's own time and the snapshot's added
+  time, and re-evaluates when they change.
+
+The rule. With the added time per snapshot ``c`` and a step of ``t`` seconds, an
+interval of ``n`` steps costs the fraction ``c / (n t)`` of training. The budget
+(``replication.max_overhead``, default 0.02) gives the shortest allowed interval,
+``n_budget = ceil(c / (budget t))``. With an MTBF ``M`` and a recovery time ``R``,
+Daly's first-order optimum ``tau = sqrt(2 c (M + R)) - c`` (Young's ``sqrt(2 c M)``
+when ``c`` and ``R`` are small against ``M``) minimises the expected time lost to
+snapshots plus rework; it is used when it is longer than ``n_budget``. Without an MTBF
+the shortest interval within the budget is taken: least rework for what the user
+agreed to pay. A round that lasts longer than the interval makes the next snapshot
+wait for it, so the interval is at least the round's length in steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+DEFAULT_BUDGET = 0.02
+"""``replication.max_overhead``'s default: 2 % of step time for snapshots."""
+
+MAX_INTERVAL = 10_000
+"""The longest interval chosen: beyond it the in-memory copy is rarely fresh enough to
+be worth keeping, and a misestimated cost cannot push snapshots off entirely."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An interval and why it was chosen."""
+
+    every_n_steps: int
+    overhead: float
+    """Expected fraction of training time spent on snapshots at this interval."""
+    reasons: tuple[str, ...]
+    n_budget: int
+    n_daly: int | None
+    n_round: int
+
+    @property
+    def text(self) -> str:
+        return f"every {self.every_n_steps} steps: " + "; ".join(self.reasons)
+
+
+def daly_interval_s(cost_s: float, mtbf_s: float, recovery_s: float = 0.0) -> float:
+    """Daly's first-order optimum interval (seconds of work between snapshots).
+
+    ``sqrt(2 c (M + R)) - c`` for ``c < 2 M``; ``M`` itself beyond (the snapshot costs
+    as much as a failure: snapshot as rarely as sensible). Young's formula is the
+    ``R = 0``, small-``c`` limit."""
+    c, m = max(cost_s, 0.0), max(mtbf_s, 1e-9)
+    if c >= 2 * m:
+        return m
+    return max(math.sqrt(2 * c * (m + max(recovery_s, 0.0))) - c, 0.0)
+
+
+def choose_interval(
+    *,
+    step_s: float,
+    snapshot_cost_s: float,
+    budget: float = DEFAULT_BUDGET,
+    round_s: float = 0.0,
+    recovery_s: float = 0.0,
+    mtbf_s: float | None = None,
+    max_interval: int = MAX_INTERVAL,
+) -> Choice:
+    """The interval in steps for the measured costs (see the module docstring).
+
+    ``step_s``: a step's time without snapshots; ``snapshot_cost_s``: the training time
+    one snapshot adds (stall plus what its round takes from the step; negative
+    measurements count as 0); ``round_s``: how long a round runs in the background;
+    ``recovery_s``: the time a recovery takes (detect, restore, rejoin); ``mtbf_s``:
+    mean time between failures of the job, or None when unknown."""
+    if step_s <= 0:
+        raise ValueError(f"step_s must be > 0, got {step_s}")
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0, got {budget}")
+    c = max(snapshot_cost_s, 0.0)
+    reasons: list[str] = []
+    n_budget = max(1, math.ceil(c / (budget * step_s) - 1e-9))
+    reasons.append(f"a snapshot adds {c * 1e3:.1f} ms to a {step_s * 1e3:.1f} ms step, so "
+                   f"{n_budget} step(s) keep it within the {budget:.1%} budget")
+    n_round = max(1, math.ceil(round_s / step_s - 1e-9)) if round_s > 0 else 1
+    n = max(n_budget, n_round)
+    if n_round > n_budget:
+        reasons.append(f"a round lasts {round_s * 1e3:.1f} ms ({n_round} steps); a shorter "
+                       "interval would make the next snapshot wait for it")
+    n_daly: int | None = None
+    if mtbf_s is not None and mtbf_s > 0:
+        tau = daly_interval_s(c, mtbf_s, recovery_s)
+        n_daly = max(1, round(tau / step_s))
+        if n_daly > n:
+            rec = f" and recovery of {recovery_s:.1f} s" if recovery_s > 0 else ""
+            reasons.append(f"with an MTBF of {mtbf_s:.0f} s{rec}, Daly's optimum is "
+                           f"{tau:.1f} s of work ({n_daly} steps), which loses less time "
+                           "in all than the budget's shortest interval")
+            n = n_daly
+        else:
+            reasons.append(f"Daly's optimum for an MTBF of {mtbf_s:.0f} s ({n_daly} steps) "
+                           "would exceed the budget; the budget wins")
+    else:
+        reasons.append("no MTBF given: the shortest interval within the budget (least rework)")
+    if n > max_interval:
+        reasons.append(f"capped at {max_interval} steps")
+        n = max_interval
+    return Choice(n, c / (n * step_s), tuple(reasons), n_budget, n_daly, n_round)
+
+
+@dataclass
+class IntervalPolicy:
+    """Chooses ``every_n_steps`` from the run's own measurements, and re-chooses.
+
+    Every rank must snapshot the same steps (a round is a collective), so a choice is
+    made in three moves at steps every rank agrees on:
+
+    1. :meth:`observe` after every step, with the step's wall time (from the end of the
+       previous step to the end of this one, everything the runtime did included) and
+       whether a snapshot was taken at the end of it;
+    2. where :meth:`due` says so, :meth:`propose` this rank's choice, from its own
+       measurements;
+    3. the caller agrees on one interval (the runtime takes the largest over ranks:
+       the rank that pays most decides, so no rank exceeds the budget) and calls
+       :meth:`adopt` with it.
+
+    The policy starts at interval ``probe_every`` and proposes after ``probe_steps``
+    steps. Every interval is one sample: its steps' total minus ``n`` plain steps is
+    one snapshot's added time. Plain step time is learned from the steps at least
+    ``settle_steps`` after a snapshot (a round's work may land in the steps just after
+    it), so the probe's interval must be longer than that. Estimates are the median of
+    the last ``window`` samples. A longer interval is always taken (the cost rose: the
+    budget demands it); a shorter one only when it is more than ``hysteresis``
+    (relative) shorter, so noise does not make it flap; choices are re-made at the first snapshot
+    ``reeval_steps`` or more after the last one.
+    """
+
+    budget: float = DEFAULT_BUDGET
+    mtbf_s: float | None = None
+    recovery_s: float = 0.0
+    probe_every: int = 8
+    probe_steps: int = 48
+    settle_steps: int = 3
+    window: int = 16
+    hysteresis: float = 0.25
+    reeval_steps: int = 200
+    max_interval: int = MAX_INTERVAL
+    current: Choice | None = None
+    _plain: deque = field(default_factory=lambda: deque(maxlen=64))
+    _costs: deque = field(default_factory=lambda: deque(maxlen=64))
+    _rounds: deque = field(default_factory=lambda: deque(maxlen=64))
+    _steps: int = 0
+    _since_snapshot: int = 10**9
+    _interval_sum: float = 0.0
+    _interval_len: int = 0
+    _last_snapshot: int = 0
+    _last_eval: int = 0
+
+    @property
+    def every_n_steps(self) -> int:
+        """The interval now in force (``probe_every`` while probing)."""
+        return self.current.every_n_steps if self.current is not None else self.probe_every
+
+    def wants_snapshot(self) -> bool:
+        """Whether the step about to be observed should be snapshotted: ``n`` steps
+        after the last one (every rank observes the same steps, so every rank answers
+        the same)."""
+        return self._steps + 1 - self._last_snapshot >= self.every_n_steps
+
+    def observe(self, step_s: float, snapshotted: bool, round_s: float | None = None) -> None:
+        """Record one step (see the class docstring)."""
+        self._steps += 1
+        if round_s is not None and round_s > 0:
+            self._rounds.append(round_s)
+        if self._since_snapshot >= self.settle_steps and not snapshotted:
+            self._plain.append(step_s)
+        # one sample of a snapshot's added time per completed interval
+        self._interval_sum += step_s
+        self._interval_len += 1
+        if snapshotted:
+            base = self.plain_step_s
+            if base is not None and self._since_snapshot < 10**9:
+                self._costs.append(self._interval_sum - self._interval_len * base)
+            self._interval_sum, self._interval_len = 0.0, 0
+            self._since_snapshot = 0
+            self._last_snapshot = self._steps
+        else:
+            self._since_snapshot += 1
+
+    def due(self) -> bool:
+        """Whether to propose and agree now: at the end of the probe, then at the first
+        snapshot ``reeval_steps`` after the last choice (the same step on every rank, as
+        long as every rank observes every step)."""
+        wait = self.probe_steps if self.current is None else self.reeval_steps
+        return self._since_snapshot == 0 and self._steps - self._last_eval >= wait
+
+    @property
+    def probed(self) -> bool:
+        """Whether the probe's steps are done (a proposal can be made)."""
+        return self._steps >= self.probe_steps
+
+    @property
+    def plain_step_s(self) -> float | None:
+        return _median(list(self._plain)[-self.window:]) if self._plain else None
+
+    @property
+    def snapshot_cost_s(self) -> float | None:
+        return _median(list(self._costs)[-self.window:]) if self._costs else None
+
+    def propose(self) -> Choice | None:
+        """This rank's choice from its measurements so far (None: nothing measured)."""
+        base, cost = self.plain_step_s, self.snapshot_cost_s
+        if base is None or cost is None:
+            return None
+        rnd = _median(list(self._rounds)[-self.window:]) if self._rounds else 0.0
+        return choose_interval(step_s=base, snapshot_cost_s=cost, budget=self.budget,
+                               round_s=rnd, recovery_s=self.recovery_s, mtbf_s=self.mtbf_s,
+                               max_interval=self.max_interval)
+
+    def adopt(self, every_n_steps: int, local: Choice | None = None) -> Choice | None:
+        """Put the agreed interval in force; returns the new choice when it changed.
+
+        ``local`` is this rank's proposal, whose reasons are kept (with a note when the
+        agreed interval is another rank's)."""
+        self._last_eval = self._steps
+        n = max(1, int(every_n_steps))
+        old = self.current
+        if old is not None and (n == old.every_n_steps or (
+                n < old.every_n_steps and n >= old.every_n_steps * (1 - self.hysteresis))):
+            return None  # longer: always taken (the budget); shorter: only if clearly
+        reasons = local.reasons if local is not None else ()
+        if local is not None and local.every_n_steps != n:
+            reasons = (*reasons, f"another rank measured a higher cost: every {n} steps "
+                       "(the largest proposal) was agreed")
+        base = self.plain_step_s or 0.0
+        cost = self.snapshot_cost_s or 0.0
+        self.current = Choice(n, cost / (n * base) if base > 0 else 0.0, tuple(reasons),
+                              local.n_budget if local else n, local.n_daly if local else None,
+                              local.n_round if local else 1)
+        return self.current
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])

@@ -1,0 +1,200 @@
+"""The snapshot interval policy (recovery/interval_policy.py): pure arithmetic, no job."""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import pytest
+
+from recovery.interval_policy import (
+    IntervalPolicy,
+    choose_interval,
+    daly_interval_s,
+)
+
+
+def test_budget_gives_the_shortest_interval_within_it() -> None:
+    # 10 ms added per snapshot on a 100 ms step: 1 step costs 10 %, 5 steps cost 2 %
+    c = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02)
+    assert c.every_n_steps == 5
+    assert c.overhead == pytest.approx(0.02)
+    assert "2.0% budget" in c.text and "no MTBF" in c.text
+    # just over the boundary needs one more step
+    assert choose_interval(step_s=0.1, snapshot_cost_s=0.0101, budget=0.02).every_n_steps == 6
+
+
+def test_a_free_snapshot_is_taken_every_step() -> None:
+    assert choose_interval(step_s=0.1, snapshot_cost_s=0.0).every_n_steps == 1
+    # noise can make a measured cost negative: it counts as 0
+    assert choose_interval(step_s=0.1, snapshot_cost_s=-0.003).every_n_steps == 1
+
+
+def test_daly_interval_wins_when_longer_than_the_budgets() -> None:
+    # cost 10 ms, MTBF 3 h: Daly's optimum ~ sqrt(2 * 0.01 * 10800) = 14.7 s = 147 steps
+    c = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02, mtbf_s=3 * 3600)
+    assert c.n_budget == 5
+    assert c.every_n_steps == round((math.sqrt(2 * 0.01 * 10800) - 0.01) / 0.1)
+    assert "Daly" in c.text
+    # a short MTBF: Daly asks for fewer steps than the budget allows; the budget wins
+    short = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02, mtbf_s=1.0)
+    assert short.every_n_steps == 5 and "the budget wins" in short.text
+
+
+def test_daly_formula_and_its_limits() -> None:
+    assert daly_interval_s(1.0, 5000.0) == pytest.approx(math.sqrt(2 * 5000) - 1)
+    assert daly_interval_s(1.0, 5000.0, 100.0) == pytest.approx(math.sqrt(2 * 5100) - 1)
+    assert daly_interval_s(30.0, 10.0) == 10.0  # a snapshot dearer than 2 MTBFs
+
+
+def test_a_round_longer_than_the_interval_sets_the_minimum() -> None:
+    c = choose_interval(step_s=0.1, snapshot_cost_s=0.0, round_s=0.35)
+    assert c.every_n_steps == 4 and c.n_round == 4
+    assert "round lasts" in c.text
+
+
+def test_cap_and_bad_inputs() -> None:
+    c = choose_interval(step_s=0.001, snapshot_cost_s=10.0, budget=0.02, max_interval=100)
+    assert c.every_n_steps == 100 and "capped" in c.text
+    with pytest.raises(ValueError):
+        choose_interval(step_s=0.0, snapshot_cost_s=0.1)
+    with pytest.raises(ValueError):
+        choose_interval(step_s=0.1, snapshot_cost_s=0.1, budget=0.0)
+
+
+def drive(policy: IntervalPolicy, steps: int, plain_s: float, cost_s: float,
+          spill: float = 0.5, start: int = 1) -> list[int]:
+    """Feed ``policy`` a synthetic run: a snapshot adds ``cost_s``, part of it to the
+    snapshot step and ``spill`` of it to the step after (the round's CPU time).
+    Returns the steps snapshotted."""
+    snapped: list[int] = []
+    carry = 0.0
+    for i in range(start, start + steps):
+        snap = policy.wants_snapshot()
+        t = plain_s + carry + (cost_s * (1 - spill) if snap else 0.0)
+        carry = cost_s * spill if snap else 0.0
+        policy.observe(t, snap)
+        if snap:
+            snapped.append(i)
+        if policy.due():
+            local = policy.propose()
+            assert local is not None
+            policy.adopt(local.every_n_steps, local)
+    return snapped
+
+
+def test_policy_probes_then_learns_the_cost_and_picks_the_interval() -> None:
+    p = IntervalPolicy(budget=0.02, probe_every=8, probe_steps=48)
+    snapped = drive(p, 48, plain_s=0.1, cost_s=0.01)
+    assert snapped == list(range(8, 49, 8))  # the probe's interval
+    assert p.plain_step_s == pytest.approx(0.1)
+    assert p.snapshot_cost_s == pytest.approx(0.01)
+    assert p.every_n_steps == 5
+    snapped = drive(p, 40, plain_s=0.1, cost_s=0.01, start=49)
+    assert len(snapped) >= 7 and all(b - a == 5 for a, b in pairwise(snapped))
+    assert p.snapshot_cost_s == pytest.approx(0.01)  # whole intervals keep measuring it
+
+
+def test_policy_reevaluates_when_costs_change_and_ignores_noise() -> None:
+    p = IntervalPolicy(budget=0.02, reeval_steps=50, window=4)
+    drive(p, 48 + 100, plain_s=0.1, cost_s=0.01)
+    assert p.every_n_steps == 5
+    drive(p, 600, plain_s=0.1, cost_s=0.04, start=149)  # four times dearer: longer at once
+    assert p.every_n_steps == 20
+    drive(p, 600, plain_s=0.1, cost_s=0.034, start=749)  # 17 steps would do: within the
+    assert p.every_n_steps == 20  # hysteresis, kept
+    drive(p, 600, plain_s=0.1, cost_s=0.01, start=1349)  # clearly cheaper again
+    assert p.every_n_steps == 5
+
+
+def test_adopt_takes_the_agreed_interval_and_says_so() -> None:
+    p = IntervalPolicy(probe_every=4, probe_steps=8, settle_steps=2)
+    for i in range(1, 9):
+        snap = p.wants_snapshot()
+        assert snap == (i % 4 == 0)
+        p.observe(0.1 + (0.01 if snap else 0.0), snap)
+    assert p.due()
+    local = p.propose()
+    assert local is not None and local.every_n_steps == 5
+    chosen = p.adopt(9, local)  # another rank measured more
+    assert chosen is not None and chosen.every_n_steps == 9
+    assert "another rank" in chosen.text
+    assert not p.due()
+
+
+# -- the recipe: every_n_steps accepts 'auto', with max_overhead and recovery.mtbf_s -------
+def test_recipe_accepts_auto_and_the_budget(tmp_path) -> None:
+    from recovery.recipe import ConfigError, load_config
+    from recovery.recipe.serialize import config_from_json, config_to_json
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("checkpointless: {replication: {every_n_steps: auto, max_overhead: 0.05},"
+                      " recovery: {mtbf_s: 10800}}")
+    cfg = load_config(str(recipe), env={})
+    assert cfg.replication.every_n_steps == "auto"
+    assert cfg.replication.max_overhead == 0.05 and cfg.recovery.mtbf_s == 10800
+    assert config_from_json(config_to_json(cfg)) == cfg  # what the worker reads back
+    cfg = load_config(None, ["replication.every_n_steps=AUTO"], env={})
+    assert cfg.replication.every_n_steps == "auto"
+    cfg = load_config(None, [], env={"CHECKPOINTLESS_REPLICATION_EVERY_N_STEPS": "auto"})
+    assert cfg.replication.every_n_steps == "auto"
+    assert load_config(None, ["replication.every_n_steps=4"], env={}).replication \
+        .every_n_steps == 4  # a fixed number still works as before
+    assert load_config(env={}).recovery.mtbf_s is None
+    assert load_config(env={}).replication.max_overhead == 0.02
+    for bad in ("replication.every_n_steps=sometimes", "replication.every_n_steps=0",
+                "replication.max_overhead=0", "recovery.mtbf_s=-5"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [bad], env={})
+        assert bad.split("=")[0] in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["replication.every_n_steps=sometimes"], env={})
+    assert "'auto'" in str(err.value)
+
+
+# -- the runtime's adapter (recovery/auto_interval.py), without a job -----------------
+def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
+    from recovery import auto_interval
+    from recovery.recipe import CheckpointlessConfig
+    from replication.state import TrainingState
+
+    class Log:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def emit(self, event: str, **fields: object) -> None:
+            self.events.append({"event": event, **fields})
+
+    settings = CheckpointlessConfig()
+    assert auto_interval.AutoInterval.from_settings(
+        settings, 0, Log(), TrainingState(), lambda t: None) is None  # a fixed number
+    settings.replication.every_n_steps = "auto"
+    others = [0]  # what the other rank proposes (0: nothing measured yet)
+
+    def agree(t) -> None:  # all-reduce MAX with one other rank
+        t[0] = max(int(t[0]), others[0])
+
+    log, state = Log(), TrainingState()
+    ai = auto_interval.AutoInterval.from_settings(settings, 0, log, state, agree)
+    assert ai is not None and "_auto_interval" in state.replay_exempt
+    assert settings.replication.every_n_steps == ai.policy.probe_every  # an int again
+    clock = [0.0]
+    auto_interval.time.perf_counter = lambda: clock[0]  # type: ignore[attr-defined]
+    try:
+        for step in range(1, auto_interval.AGREE_EVERY + 1):
+            snap = step % settings.replication.every_n_steps == 0
+            clock[0] += 0.1 + (0.01 if snap else 0.0)
+            ai.after_step(step, snap, None)
+    finally:
+        import time as _time
+
+        auto_interval.time.perf_counter = _time.perf_counter  # type: ignore[attr-defined]
+    assert settings.replication.every_n_steps == 5  # 10 ms on 100 ms, 2 % budget
+    assert log.events[-1]["event"] == "auto_interval" and log.events[-1]["every_n_steps"] == 5
+    assert ai.state_dict() == {"every_n_steps": 5}
+    ai.load_state_dict({"every_n_steps": 8})  # a rollback to a step before the choice
+    assert settings.replication.every_n_steps == 8
+    others[0] = 12  # the other rank pays more: its interval is agreed by both
+    ai.after_step(2 * auto_interval.AGREE_EVERY, True, None)
+    assert settings.replication.every_n_steps == 12
+    assert "another rank" in " ".join(log.events[-1]["reasons"])
