@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from replication import codec
+from replication.state import clone_tensors
 
 log = logging.getLogger("checkpointless.lightning")
 
@@ -228,25 +229,14 @@ def _restore_metrics(module: Any, states: dict[str, Any]) -> None:
         metric._computed = None
 
 
-def _owned(value: Any) -> Any:
-    """``value`` with every tensor cloned. A restored snapshot's tensors are views into
-    its slot (or the handover's buffer); Lightning's accumulators and torchmetrics
-    states are updated in place (``self.total += n``), which would write into the
-    snapshot, and the slot is reused by a later capture."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _owned(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_owned(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_owned(v) for v in value)
-    return value
-
-
 def restore(trainer: Any, state: dict[str, Any]) -> None:
-    """Put the captured observable state back (after Lightning reset it for a new fit)."""
-    state = _owned(state)
+    """Put the captured observable state back (after Lightning reset it for a new fit).
+
+    Its tensors are cloned first: a restored snapshot's tensors are views into its slot
+    (or the handover's buffer); torchmetrics states are updated in place
+    (``self.total += n``), which would write into the snapshot, and the slot is reused
+    by a later capture."""
+    state = clone_tensors(state)
     _restore_callbacks(trainer, state["callbacks"])
     _restore_results(trainer, trainer.fit_loop.epoch_loop._results, state["train_results"])
     _restore_metrics(trainer.lightning_module, state["metrics"])
