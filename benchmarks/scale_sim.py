@@ -675,20 +675,6 @@ def run_liveness(pool: StorePool, nodes: int, periods: int, interval_s: float,
 # --- rendezvous and recovery plan -------------------------------------------------------
 
 
-def plan_today(store: Any, gen: int, record: Any, world: int, fenced: Callable[[], Any],
-               ) -> Any:
-    """Today's rendezvous, as ``Checkpointless._rendezvous`` and the recovery loop call
-    it: ``join`` (every rank polls all N join keys), then ``make_plan`` from the
-    committed step in the store."""
-    from recovery import protocol
-    from recovery.rendezvous import join, make_plan
-    from replication.commit import committed_step
-
-    records = join(store, gen, record, world, 120.0,
-                   lambda: protocol.current_generation(store), fenced)
-    return make_plan(gen, committed_step(store), records)
-
-
 def plan_planner(store: Any, gen: int, record: Any, world: int, fenced: Callable[[], Any],
                  ) -> Any:
     """The planner-based rendezvous (ADR 0024): ``agree`` returns the plan one planner
@@ -707,13 +693,10 @@ def plan_planner(store: Any, gen: int, record: Any, world: int, fenced: Callable
 
 
 def rendezvous_impl() -> tuple[str, Callable[..., Any]]:
-    """The rendezvous on this checkout: the planner's where it exists (one line to
-    change if its name changes), else today's join + make_plan."""
-    from recovery import rendezvous
-
-    if hasattr(rendezvous, "agree"):
-        return "planner", plan_planner
-    return "join+make_plan", plan_today
+    """The rendezvous the runtime uses (the planner's, ADR 0024). The first version's
+    (every rank polling all N join keys, then ``make_plan`` on every rank) is gone from
+    the code; its measured figures stay in ``docs/scale.md`` and ADR 0024."""
+    return "planner", plan_planner
 
 
 class _GatedStore(CountingStore):
