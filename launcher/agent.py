@@ -64,9 +64,9 @@ from recovery.recipe import CheckpointlessConfig, config_to_json
 from replication import contract
 from replication.errors import CheckpointlessError
 
-LINGER_S = 30.0
+LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
 #: How long an agent that reads "stopped by SIGINT" from another node waits for its own.
-SIGINT_GRACE_S = 0.5  # how long the store host waits for the other agents to see the end
+SIGINT_GRACE_S = 0.5
 #: A pass of the agent's loop longer than this is reported (``agent_stalled``).
 STALL_REPORT_S = 2.0
 

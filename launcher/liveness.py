@@ -353,7 +353,7 @@ class PeerWatch:
         after it changes the version again); return the losses learned just now."""
         self._version, self._checks_since_refresh = version, 0
         self.ring = sorted(set(registered_nodes(store)) | set(self.ring))
-        entries = [e for e in protocol.lost_entries(auth.read_raw(store, protocol.LOST_KEY))
+        entries = [e for e in protocol.sealed_list_entries(auth.read_raw(store, protocol.LOST_KEY))
                    if e not in self._entries_seen]
         self._entries_seen.update(entries)
         records = {}

@@ -49,11 +49,9 @@ def register(store: dist.Store, node: int, nproc: int, spare: bool) -> None:
 def registered_nodes(store: dist.Store) -> list[int]:
     """Nodes with a validly sealed entry in the agents list."""
     raw = auth.read_raw(store, protocol.AGENTS_KEY)
-    if raw is None:
-        return []
     nodes = set()
-    for token in bytes(raw).split(b","):
-        payload = auth.open_value(protocol.AGENTS_KEY, token) if token else None
+    for entry in protocol.sealed_list_entries(raw):
+        payload = auth.open_value(protocol.AGENTS_KEY, entry)
         if payload is not None:
             nodes.add(int(payload))
     return sorted(nodes)

@@ -75,8 +75,9 @@ def plan_takeover_key(gen: int) -> str:
     return f"{gen_prefix(gen)}/plan_takeover"
 
 
-#: Sealed: the newest step whose logged rows rank 0 released to loggers that have no
-#: local directory (``recovery.integrations.lightning.logger_gate``).
+#: Sealed: the newest step whose logged rows rank 0 released to its loggers
+#: (``recovery.integrations.lightning.logger_gate``): a replacement rank 0 on any node
+#: reads it, where a marker file on the old node's disk is out of its reach.
 LOGGED_KEY = "cl/logged_through"
 
 
@@ -488,8 +489,9 @@ def publish_losses(store: dist.Store, records: list[LostRecord]) -> list[bytes]:
     return entries
 
 
-def lost_entries(raw: bytes | None) -> list[bytes]:
-    """The (unverified) entries of ``LOST_KEY``'s raw value, in order."""
+def sealed_list_entries(raw: bytes | None) -> list[bytes]:
+    """The (unverified) entries of an append-only list of sealed values between commas
+    (``AGENTS_KEY``, ``LOST_KEY``), in order."""
     return [t for t in bytes(raw).split(b",") if t] if raw else []
 
 
