@@ -75,9 +75,8 @@ def plan_takeover_key(gen: int) -> str:
     return f"{gen_prefix(gen)}/plan_takeover"
 
 
-#: Sealed: the newest step whose logged rows rank 0 released to its loggers
-#: (``recovery.integrations.lightning.logger_gate``): a replacement rank 0 on any node
-#: reads it, where a marker file on the old node's disk is out of its reach.
+#: Sealed: the newest step whose logged rows rank 0 released to its loggers, readable by
+#: a replacement rank 0 on any node (``recovery.integrations.lightning.logger_gate``).
 LOGGED_KEY = "cl/logged_through"
 
 
