@@ -270,7 +270,15 @@ class Agent(NodeLossHandling):
     def _check_storage(self) -> bool:
         """Write, read and delete a probe at ``persistence.path`` before any worker
         starts (every agent: each node has its own mounts and credentials); a failure
-        ends the job with one line on every node. False to stop."""
+        ends the job with one line on every node. False to stop.
+
+        Only before the job has begun, though. An agent that joins a running job (a
+        spare or a replacement node after a node loss) may well meet a storage outage:
+        the durable tier is the fallback and rides such outages out with its own
+        retries, while the job's replicas carry on. Ending a job that has trained for
+        hours on that probe would turn a passing outage into a total loss (the chaos
+        soak did exactly that when its spare node started during an outage), so the
+        failure is logged and the agent joins."""
         p = self.cfg.persistence
         if not p.path:
             return True
@@ -278,10 +286,21 @@ class Agent(NodeLossHandling):
 
         problem = probe_storage(p.path, dict(p.storage_options),
                                 should_stop=lambda: self._signal is not None)
-        if problem is not None:
-            protocol.set_fatal(self.store, problem, node=self.node)
-            return False
-        return True
+        if problem is None:
+            return True
+        if self._job_has_begun():
+            self._emit(Event.STORAGE_CHECK_FAILED, problem=problem)
+            self._log(f"warning: {problem}; the job is already running, so this node joins "
+                      f"it (the durable tier retries its saves)")
+            return True
+        protocol.set_fatal(self.store, problem, node=self.node)
+        return False
+
+    def _job_has_begun(self) -> bool:
+        """A generation after the first, or a committed step: workers have trained."""
+        from replication.commit import committed_step
+
+        return protocol.current_generation(self.store) > 0 or committed_step(self.store) >= 0
 
     def _join(self) -> bool:
         """Wait until every group has its agent, like torchrun's rendezvous; False to stop."""

@@ -33,6 +33,7 @@ class Event(StrEnum):
     NODE_TAKEOVER = "node_takeover"
     NODE_FENCED = "node_fenced"
     NODE_ISOLATED = "node_isolated"  # this agent cannot reach the job store: fenced
+    STORAGE_CHECK_FAILED = "storage_check_failed"  # a joining agent's probe, job running
     SPARE_START = "spare_start"
     SPARE_EXIT = "spare_exit"
     SPARE_FORK_FAILED = "spare_fork_failed"

@@ -169,8 +169,9 @@ def run_job(
     script: str = SCRIPT,
     script_args: tuple[str, ...] = TRAIN_ARGS,
     timeout_s: float = 90.0,
-    during: Callable[[Path], None] | None = None,
+    during: Callable[..., None] | None = None,
     etcd: str | None = None,
+    late_spare_nodes: int = 0,
 ) -> JobResult:
     """Run one job to completion (or ``timeout_s``), then kill whatever is left.
 
@@ -181,27 +182,39 @@ def run_job(
     ``during(run_dir)``, if given, runs once every agent has started (e.g. to kill a
     worker when some condition holds); an exception from it stops the job. ``etcd``
     (``H1:P1,...``) runs the job with ``--rdzv-backend etcd`` on those members: no node
-    hosts anything, and the agents share :data:`TEST_JOB_SECRET`.
+    hosts anything, and the agents share :data:`TEST_JOB_SECRET`. ``late_spare_nodes``
+    spare nodes are not started with the others: ``during`` is then called as
+    ``during(run_dir, start_spare_node)`` and starts each when it wants (a spare that
+    joins a running job, as after a node loss).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = tuple(overrides)
-    standalone = nnodes == 1 and spare_nodes == 0 and etcd is None
+    standalone = nnodes == 1 and spare_nodes == 0 and late_spare_nodes == 0 and etcd is None
     endpoint = None if standalone else f"127.0.0.1:{free_port()}"
     rdzv_id = f"t{os.getpid()}-{time.monotonic_ns()}"
     agents: dict[int, Agent] = {}
     t0 = time.monotonic()
     timed_out = False
+
+    def start(node: int) -> None:
+        cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=nproc, run_dir=run_dir,
+                            endpoint=endpoint, rdzv_id=rdzv_id, spares=spares,
+                            overrides=overrides, script=str(script),
+                            script_args=script_args, etcd=etcd)
+        secret = {"CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET} if etcd else None
+        agents[node] = start_agent(cmd, node, run_dir / "logs", secret)
+
+    def start_spare_node() -> None:
+        if len(agents) >= nnodes + spare_nodes + late_spare_nodes:
+            raise AssertionError(f"only {late_spare_nodes} late spare node(s) planned")
+        start(len(agents))
+
     try:
         for node in range(nnodes + spare_nodes):
-            cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=nproc, run_dir=run_dir,
-                                endpoint=endpoint, rdzv_id=rdzv_id, spares=spares,
-                                overrides=overrides, script=str(script),
-                                script_args=script_args, etcd=etcd)
-            secret = {"CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET} if etcd else None
-            agents[node] = start_agent(cmd, node, run_dir / "logs", secret)
+            start(node)
         if during is not None:
-            during(run_dir)
+            during(run_dir, start_spare_node) if late_spare_nodes else during(run_dir)
         timed_out = wait_agents(agents, t0 + timeout_s)
     finally:
         for agent in agents.values():

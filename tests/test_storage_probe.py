@@ -134,6 +134,69 @@ def test_a_run_that_persisted_nothing_says_so_last_and_exits_non_zero(tmp_path):
     assert last.startswith("checkpointless: job done but NOTHING WAS PERSISTED"), last
 
 
+def _events_named(run_dir: Path, name: str) -> list[dict]:
+    from recovery.protocol import read_events
+
+    path = run_dir / "events.jsonl"
+    return [e for e in read_events(path) if e.get("event") == name] if path.exists() else []
+
+
+def _wait_event(run_dir: Path, name: str, what: str, timeout_s: float = 60.0, **match):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in _events_named(run_dir, name)
+                 if all(e.get(k) == v for k, v in match.items())]
+        if found:
+            return found[0]
+        if _events_named(run_dir, "job_done") or _events_named(run_dir, "job_failed"):
+            raise AssertionError(f"the job ended before {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout_s:.0f}s")
+
+
+def test_a_spare_node_joining_during_a_storage_outage_joins_and_takes_over(tmp_path):
+    """The start-up check ends the job only before it has begun. The chaos soak's seed 1
+    (at CI's step time) started its spare node during a storage outage, and the probe's
+    failure ended a job that had trained 150 steps: a passing outage turned into a total
+    loss. A node joining a running job now logs the failure and joins; here it then takes
+    over a lost node's ranks and the job completes."""
+    import os
+    import signal
+
+    from tests.recovery_harness import assert_succeeded, run_job
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "none", str(mount)], check=True)
+
+    def during(run_dir: Path, start_spare_node) -> None:
+        _wait_event(run_dir, "step", "a step", step=5)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)  # the outage
+        start_spare_node()
+        _wait_event(run_dir, "storage_check_failed", "the spare's failed storage check",
+                    node=2)
+        _wait_event(run_dir, "agent_start", "the spare node's start", node=2)
+        subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)  # it ends
+        node1 = _wait_event(run_dir, "agent_start", "node 1's start", node=1)
+        os.killpg(node1["pid"], signal.SIGKILL)  # node 1 is lost: agent and workers
+        _wait_event(run_dir, "node_takeover", "the spare's takeover", node=2)
+
+    try:
+        job = run_job(tmp_path / "run", nnodes=2, nproc=1, late_spare_nodes=1, timeout_s=110,
+                      script_args=("--steps", "400", "--dim", "32", "--layers", "1",
+                                   "--batch", "4", "--seq-len", "16", "--step-sleep", "0.05"),
+                      overrides=[f"persistence.path={mount}/ckpt",
+                                 "persistence.every_n_steps=20",
+                                 "recovery.heartbeat_timeout_s=3",
+                                 "recovery.heartbeat_interval_s=0.2"],
+                      during=during)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert_succeeded(job, except_nodes=(1,))
+    assert "is already running, so this node joins it" in job.agents[2].stderr
+    assert [e["step"] for e in job.events("worker_done")] == [400, 400], job.output()
+
+
 _FUZZ_ROOT = Path("/tmp/checkpointless-probe-fuzz")
 
 
