@@ -16,6 +16,7 @@ a grandchild that inherited the pipe may keep it open).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -23,6 +24,8 @@ import time
 from typing import BinaryIO, TextIO
 
 _LOCK = threading.Lock()
+#: Rank prefixes at the start of a line, however many (see :meth:`Relay._write`).
+_RANK_PREFIXES = re.compile(rb"^(?:\[rank\d+\]: ?)+")
 _THREADS: list[threading.Thread] = []
 _BY_PID: dict[int, Relay] = {}
 MAX_PENDING = 16 * 1024  # a "line" this long without a newline is written out anyway
@@ -72,10 +75,11 @@ class Relay:
             src.close()
 
     def _write(self, dst: TextIO, line: bytes) -> None:
-        prefix = f"[{self.label}]: ".encode()
-        # torch's C++ logging (TORCH_DISTRIBUTED rank prefixes) already starts lines
-        # with "[rank3]:"; one prefix per line is enough, whatever the depth.
-        data = line if line.startswith(prefix.rstrip()) else prefix + line
+        # torch's C++ logging starts lines with "[rank3]:", and an error that quotes
+        # another (a failure reported through a collective) nests them, up to 12 deep
+        # in issue 16's runs: every leading rank prefix goes, and this process's label
+        # (the rank it runs now) is written once.
+        data = f"[{self.label}]: ".encode() + _RANK_PREFIXES.sub(b"", line, count=1)
         with _LOCK:
             try:
                 dst.flush()  # whatever the agent printed itself goes first

@@ -235,3 +235,23 @@ def test_worker_output_relay_prefixes_whole_lines(capfd):
     out, err = capfd.readouterr()
     assert out == "[rank7]: hello\n"
     assert err == "[rank7]: to err\n[rank7]: no newline\n"
+
+
+def test_worker_output_is_prefixed_once_whatever_the_depth(capfd):
+    """torch's rank prefixes, nested when an error quotes another (issue 16 saw 12 deep),
+    or naming the rank a process had before it was handed another: one label, the
+    process's own rank now."""
+    from launcher import worker_output
+
+    lines = ["[rank1]: [rank1]: [rank1]: RuntimeError: boom", "[rank0]: quoted",
+             "[rank1]:tight", "plain [rank1]: inside", "[ranks]: not a prefix"]
+    script = "import sys; sys.stdout.write(sys.argv[1])"
+    proc = subprocess.Popen([sys.executable, "-c", script, "\n".join(lines) + "\n"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    worker_output.relay(proc, "rank1")
+    proc.wait(timeout=30)
+    worker_output.drain(10.0)
+    out, _ = capfd.readouterr()
+    assert out.splitlines() == ["[rank1]: RuntimeError: boom", "[rank1]: quoted",
+                                "[rank1]: tight", "[rank1]: plain [rank1]: inside",
+                                "[rank1]: [ranks]: not a prefix"]
