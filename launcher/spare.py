@@ -299,10 +299,14 @@ def run_assigned(assignment: dict) -> None:
         _interrupted()
     except Exception as exc:
         from recovery import user_errors
+        from recovery.causes import FailureCause, classify
         from recovery.errors import Fenced, RecoveryImpossible
 
-        # The runtime's own verdicts (recorded and reported already) leave as before.
-        if user_errors.first_step_done() or isinstance(exc, (RecoveryImpossible, Fenced)):
+        # The runtime's own verdicts (recorded and reported already) leave as before, and
+        # so does a failure elsewhere (a peer killed while this rank waited in DDP's
+        # set-up broadcast): it is the job's failure to recover from, not the script's.
+        if (user_errors.first_step_done() or isinstance(exc, (RecoveryImpossible, Fenced))
+                or classify(exc, lambda: False) is FailureCause.PEER_FAILURE):
             raise
         user_errors.stop_before_first_step(exc)
 

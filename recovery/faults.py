@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,10 +24,14 @@ from replication.commit import committed_step
 class FaultInjector:
     """Fires this rank's faults when the runtime reports reaching their phase."""
 
-    def __init__(self, specs: list[FaultSpec], rank: int, store: dist.Store, log=None) -> None:
+    def __init__(self, specs: list[FaultSpec], rank: int, store: dist.Store, log=None,
+                 committed: Callable[[], int] | None = None) -> None:
         self.specs = [s for s in specs if s.rank == rank]
         self.store = store
         self.log = log
+        # The committed step the log names: the runtime's (the store's record, or what
+        # this rank learned when the record lags), else the store's.
+        self.committed = committed or (lambda: committed_step(store))
         self.step = -1
 
     def __bool__(self) -> bool:
@@ -55,7 +60,7 @@ class FaultInjector:
         if self.log is not None:
             self.log.emit(Event.FAULT_INJECTED, fault=str(spec), rank=spec.rank, step=spec.step,
                           phase=spec.phase, kind=spec.kind,
-                          committed=committed_step(self.store))
+                          committed=self.committed())
         if spec.kind == "exception":
             raise InjectedFault(f"injected exception on rank {spec.rank} at step {spec.step} "
                                 f"({spec.phase})")

@@ -43,8 +43,6 @@ PREFIX = "cl"
 FATAL_KEY = f"{PREFIX}/fatal"
 DONE_PREFIX = f"{PREFIX}/done"
 
-# Environment names and exit codes are the process contract: replication/contract.py.
-
 
 def gen_prefix(gen: int) -> str:
     return f"{PREFIX}/g{gen}"
@@ -373,6 +371,7 @@ class JoinRecord:
     newcomer: bool
     local_steps: list[int] = field(default_factory=list)  # own sealed snapshots held
     replicas: dict[str, list[int]] = field(default_factory=dict)  # src rank -> steps held
+    committed: int = -1  # the newest step this rank learned is committed (ADR 0022)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -384,6 +383,7 @@ class JoinRecord:
             rank=int(d["rank"]), node=int(d["node"]), pid=int(d["pid"]),
             newcomer=bool(d["newcomer"]), local_steps=[int(s) for s in d["local_steps"]],
             replicas={str(k): [int(s) for s in v] for k, v in d["replicas"].items()},
+            committed=int(d.get("committed", -1)),
         )
 
 

@@ -5,10 +5,11 @@ generation (which of its own snapshots it holds and which replicas it keeps for
 others) and counts itself in with ``store.add`` on the generation's join counter. The
 rank whose add reaches the world size is the *planner*: no fixed rank, so the rendezvous
 does not depend on rank 0 (or any rank) having survived. The planner reads the N
-records once, reads the committed step, computes the plan (:func:`make_plan`: the
-target is the newest committed step; ranks that hold their own snapshot of it roll back
-locally; every other rank receives its state from the lowest-ranked survivor holding a
-replica of it; if some state has no copy left, the reason says exactly whose and why)
+records once, reads the committed step, computes the plan (:func:`choose_plan`: the
+target is the newest committed step, whether the store's record or a join record says
+so; ranks that hold their own snapshot of it roll back locally; every other rank
+receives its state from the lowest-ranked survivor holding a replica of it; if some
+state has no copy left, the reason says exactly whose and why)
 and publishes it as ONE sealed record, ``cl/g{G}/plan``, with a compare-and-set
 (:func:`recovery.auth.claim`). Every other rank waits for that one key: the runtime's
 ranks block in the store on it (``blocking=True``: one request, answered when the key is
@@ -101,6 +102,10 @@ class RecoveryPlan:
     def newcomers(self) -> list[int]:
         return sorted(self.providers)
 
+
+FRESH_START = -1
+"""The target of a plan whose ranks all start from their script's initial state (see
+:func:`choose_plan`)."""
 
 FAST_POLL_S = 0.002
 """The first wait between two polls of the plan; each next one is :data:`POLL_GROWTH`
@@ -328,7 +333,7 @@ class _Rendezvous:
         committed: int | None = None
         try:
             committed = committed_step()
-            plan = make_plan(self.gen, committed, self.seen)
+            plan = choose_plan(self.gen, committed, self.seen)
             plan, impossible = RecoveryPlan(self.gen, plan.target_step, plan.providers,
                                             self.rank), None
         except RecoveryImpossible as exc:  # every rank gets the same verdict, from here
@@ -450,6 +455,43 @@ def _joined(store: dist.Store, key: str, seen: dict[int, JoinRecord], rank: int)
     if payload is not None:
         seen[rank] = JoinRecord.from_json(payload)
     return payload is not None
+
+
+def choose_plan(gen: int, recorded: int, records: dict[int, JoinRecord]) -> RecoveryPlan:
+    """The plan for the newest committed step every state still has a copy of.
+
+    Two sources say which steps are committed: the store's sealed record (``recorded``)
+    and each rank's join record (the newest step its commit agreement returned for). Rank
+    0 writes the store's record off the training path (ADR 0022, addendum 2), so it may
+    lag by a step or more, and while the store has no quorum by many: a rank may then
+    already have dropped the recorded step's slot for a newer committed one. A step any
+    rank learned is committed had every copy when it was (that is what the agreement
+    vouched for), and no rank overwrites a slot before its own round for the step
+    ended, so the newest such step is the target; an older candidate is tried only if a
+    copy of the newer one died with its holder. Join records report the commits of the
+    current timeline (a rollback resets them); a store record newer than all of them is
+    not trusted, since a round abandoned before a rollback may have written it late
+    (when rank 0 recorded a step and died before anyone learned it, the step before is
+    as good a target: every rank still holds it). Records that report nothing (every
+    rank a newcomer, or a caller without that knowledge) leave the store's record alone.
+    """
+    known = {r.committed for r in records.values()}
+    trusted = recorded <= max(known) or max(known) < 0  # no rank knows: as before
+    candidates = sorted(known | ({recorded} if trusted else set()), reverse=True)
+    if candidates[0] < 0 and all(r.newcomer and not r.local_steps and not r.replicas
+                                 for r in records.values()):
+        # Nothing was ever committed and every process is new (one was killed in the
+        # script's set-up, before the first step): all of them start the job afresh,
+        # as the first generation did, rather than stop it.
+        return RecoveryPlan(gen, FRESH_START, {})
+    first_error: RecoveryImpossible | None = None
+    for step in candidates:
+        try:
+            return make_plan(gen, step, records)
+        except RecoveryImpossible as exc:
+            first_error = first_error or exc
+    assert first_error is not None
+    raise first_error
 
 
 def make_plan(gen: int, target_step: int, records: dict[int, JoinRecord]) -> RecoveryPlan:

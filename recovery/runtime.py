@@ -28,9 +28,15 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import xxhash
 
-from recovery import auth, elastic_controller, process_groups, protocol, user_errors
+from recovery import (
+    auth,
+    divergence,
+    elastic_controller,
+    process_groups,
+    protocol,
+    user_errors,
+)
 from recovery.auto_interval import AutoInterval
 from recovery.causes import FailureCause, classify
 from recovery.durable_tier import DurableTier
@@ -40,7 +46,7 @@ from recovery.events import Event
 from recovery.fault_spec import parse_faults
 from recovery.faults import FaultInjector
 from recovery.recipe import CheckpointlessConfig, worker_config
-from recovery.rendezvous import GenerationChanged, RecoveryPlan, agree
+from recovery.rendezvous import FRESH_START, GenerationChanged, RecoveryPlan, agree
 from recovery.watchdog import Watchdog
 from replication import contract
 from replication.commit import UntrustedCommit, committed_step
@@ -113,7 +119,8 @@ class Checkpointless:
         self.store = self._connect_store()
         rec = self.settings.recovery
         fault_text = rec.fault or os.environ.get("CHECKPOINTLESS_RECOVERY_FAULT", "")
-        self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log)
+        self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log,
+                                    committed=lambda: self.committed_step)
         self.faults.install(model, optimizer)
         # The watchdog gets a connection of its own: a store client serialises its
         # operations, and heartbeats must never queue behind the training loop's.
@@ -146,6 +153,7 @@ class Checkpointless:
         # Stop it before interpreter teardown destroys the store it polls under it.
         atexit.register(self.watchdog.stop)
         self.start_step = 1
+        self._initial_snapshot = True  # start() says otherwise for frameworks
         self.restored_step: int | None = None  # set by start(): recovered or resumed step
         if start:
             self.start()
@@ -158,6 +166,7 @@ class Checkpointless:
         ``initial_snapshot=False`` leaves the initial commit to :meth:`commit_initial`,
         for frameworks that build their state after the process group exists.
         """
+        self._initial_snapshot = initial_snapshot
         if self.env.replacement or self.gen > 0:
             self.restored_step = self._recover({"kind": FailureCause.REPLACEMENT}, newcomer=True)
         else:
@@ -227,36 +236,11 @@ class Checkpointless:
             self.replicator.drift.watch(self._dp_entries)
 
     def _check_replicas_agree(self, model: torch.nn.Module, device: torch.device) -> None:
-        """Say so, loudly and once, when data-parallel ranks hold different weights.
-
-        Averaging gradients keeps equal weights equal; it never makes different ones
-        equal. nanoGPT seeds each rank differently and relies on DDP's constructor
-        broadcasting rank 0's weights: adapted to this API without DDP, every rank
-        trained its own model, with no warning. One hash of the parameters (not the
-        buffers, which may differ per rank: batch-norm statistics) and one all-gather,
-        at the first call of each generation (a replacement's restored weights too).
-        """
-        h = xxhash.xxh64()
-        for p in model.parameters():
-            h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-        mine = torch.tensor([h.intdigest() & ((1 << 63) - 1)], dtype=torch.int64,
-                            device=device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self.wait(dist.all_gather(gathered, mine, async_op=True))
-        groups: dict[int, list[int]] = {}
-        for rank, t in enumerate(gathered):
-            groups.setdefault(int(t.item()), []).append(rank)
-        if len(groups) == 1:
-            return
-        split = " vs ".join(str(ranks) for ranks in sorted(groups.values()))
-        self.log.emit(Event.REPLICAS_DIFFER, rank=self.rank, step=self.step, groups=split)
-        if self.rank == 0:
-            print(f"checkpointless: WARNING: all_reduce_gradients averages the gradients of "
-                  f"a model whose weights already differ across ranks at step {self.step} "
-                  f"(ranks with equal weights: {split}): the ranks train different models. "
-                  "Seed every rank the same before building the model, or broadcast rank "
-                  "0's weights once (nanoGPT seeds by rank and relies on DDP's broadcast).",
-                  file=sys.stderr, flush=True)
+        """Say so, loudly and once, when data-parallel ranks hold different weights
+        (:func:`recovery.divergence.check_replicas_agree`)."""
+        divergence.check_replicas_agree(model, device, rank=self.rank,
+                                        world_size=self.world_size, step=self.step,
+                                        log=self.log, wait=self.wait)
 
     def wait(self, work: Any) -> None:
         """Wait for a collective, bailing out as soon as a failure is declared anywhere."""
@@ -273,7 +257,8 @@ class Checkpointless:
     @property
     def committed_step(self) -> int:
         try:
-            return committed_step(self.store)
+            return (self.replicator.committed_step() if self.replicator is not None
+                    else committed_step(self.store))
         except UntrustedCommit as exc:  # every rank reads the same forged value
             raise RecoveryImpossible(f"cannot agree on a recovery target: {exc}") from None
 
@@ -373,32 +358,11 @@ class Checkpointless:
                 mark()
 
     def _report_divergence(self) -> None:
-        """Report what the run-time checks found since the last step: data-parallel
-        replicas that drifted apart (:mod:`replication.drift`), and replayed steps whose
-        snapshot differs from the first run's (:mod:`replication.replay_check`: the
-        recovery 'succeeded', but training left the path a failure-free run takes).
-        Events, and one console line per finding or per recovery; training goes on."""
+        """Report drift and replay differences found since the last step
+        (:func:`recovery.divergence.report`); training goes on."""
         assert self.replicator is not None
-        for step, name, split in self.replicator.drift.take():
-            self.log.emit(Event.REPLICAS_DRIFTED, rank=self.rank, step=step, entry=name,
-                          split=split)
-            if self.rank == 0:
-                print(f"checkpointless: WARNING: state entry {name!r} was {split} at step "
-                      f"{step}: data-parallel replicas drifted apart (a gradient not "
-                      "all-reduced, a rank-dependent update, a non-deterministic "
-                      "collective); the ranks no longer train one model.",
-                      file=sys.stderr, flush=True)
-        for step, names in self.replicator.take_replay_differences():
-            self.log.emit(Event.REPLAY_DIVERGED, rank=self.rank, step=step, gen=self.gen,
-                          segments=names)
-            if not self._replay_warned:
-                self._replay_warned = True
-                print(f"checkpointless: WARNING: rank {self.rank} replayed step {step} after "
-                      f"the recovery and its state differs from the first run's in "
-                      f"{', '.join(names)}: state the runtime does not know about changed "
-                      "(register it: a batch fetched ahead of its step, a counter kept on "
-                      "an object), or the step is not deterministic. Training goes on, off "
-                      "the path a failure-free run takes.", file=sys.stderr, flush=True)
+        self._replay_warned = divergence.report(self.replicator, rank=self.rank, gen=self.gen,
+                                                log=self.log, warned=self._replay_warned)
 
     def _finish(self, destroy_group: bool = True) -> None:
         assert self.replicator is not None
@@ -498,7 +462,9 @@ class Checkpointless:
                 (plan, impossible), t_rdzv = self._rendezvous(gen, newcomer), time.time()
                 self._setup_generation(gen)
                 t_pg = time.time()
-                if impossible is None:
+                if impossible is None and plan.target_step == FRESH_START:
+                    plan, moved = self._start_afresh(plan)
+                elif impossible is None:
                     moved = self._transfer(plan)
                 else:
                     plan, moved = self.durable.fall_back(self.replicator, plan, impossible)
@@ -553,6 +519,7 @@ class Checkpointless:
         record = protocol.JoinRecord(
             rank=self.rank, node=self.env.node, pid=os.getpid(), newcomer=newcomer,
             local_steps=local, replicas={str(src): steps for src, steps in held.items()},
+            committed=self.replicator.known_committed if self.replicator else -1,
         )
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         # A newer generation, as the watchdog saw it: no store request per check (it
@@ -576,6 +543,20 @@ class Checkpointless:
         self.log.emit(Event.FENCED, rank=self.rank, gen=self.gen, reason=reason)
         print(f"checkpointless: {reason}", file=sys.stderr, flush=True)
         os._exit(contract.EXIT_FENCED)
+
+    def _start_afresh(self, plan: RecoveryPlan) -> tuple[RecoveryPlan, int]:
+        """Every process is new and nothing was committed: resume from storage or
+        commit the script's initial state, as generation 0 does. Not for a framework
+        that builds its state after the process group (``start(initial_snapshot=False)``):
+        its state does not exist yet, so the job stops as before."""
+        if not self._initial_snapshot:
+            raise RecoveryImpossible("a failure happened before the first step was committed; "
+                                     "there is no in-memory state to recover to")
+        assert self.replicator is not None
+        step = self.durable.maybe_resume(self.replicator)
+        if step is None:
+            self.commit_initial(0)
+        return dataclasses.replace(plan, target_step=step or 0), 0
 
     def _transfer(self, plan: RecoveryPlan) -> int:
         """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its

@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from replication import signing, tags
+from replication import tags
 from replication.checksum import ChecksumMismatch, Hasher
 from replication.commit import COMMITTED_KEY, CommitLedger, committed_step
+from replication.commit_record import CommittedRecorder
 from replication.commit_tree import SideChannelTransport, TreeCommit
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.digest_copy import segment_trailer, verify_segments
@@ -64,6 +65,9 @@ from replication.state import TrainingState
 from replication.transport import SideChannel, TransportError
 
 log = logging.getLogger("checkpointless.replication")
+
+#: Seconds :meth:`Replicator.close` waits for the last committed-step record to land.
+RECORD_FLUSH_S = 10.0
 
 MAX_SEGMENTS = tags.MAX_SEGMENTS
 _ANN_HEADER = 3  # step, metadata bytes, segment count
@@ -208,7 +212,12 @@ class Replicator:
         # write per step; the first version's store count is kept as an option.
         self.tree: TreeCommit | None = None
         self.ledger: CommitLedger | None = None
+        self._recorder: CommittedRecorder | None = None
         if self.config.commit == "tree":
+            # Rank 0's store record is written off the step's path (ADR 0022, addendum
+            # 2): a store without quorum no longer stalls training.
+            if rank == 0:
+                self._recorder = CommittedRecorder(store, self._committed_key)
             self.tree = TreeCommit(rank, world_size, SideChannelTransport(self.channel),
                                    self._record_committed)
         else:
@@ -313,17 +322,23 @@ class Replicator:
         return self.last_round
 
     def committed_step(self) -> int:
-        """The newest step every copy holds (from the store)."""
-        return committed_step(self._store, self._committed_key)
+        """The newest step every copy holds: the store's sealed record, or the newest
+        step this rank's own agreement returned for when the record lags behind it (it
+        is written in the background: :mod:`.commit_record`)."""
+        return max(committed_step(self._store, self._committed_key), self.known_committed)
+
+    @property
+    def known_committed(self) -> int:
+        """The newest step this rank learned is committed (and keeps the slot of), in
+        this timeline: a recovery's handover resets it to the target."""
+        return self.engine.protected_step
 
     def _record_committed(self, step: int) -> None:
-        """Rank 0, every acknowledgement in: write the sealed committed step. The
-        ``check`` after it is a round trip on the same connection, so the record has
-        reached the store before any rank learns the step is committed (a c10d ``set``
-        gets no reply of its own)."""
-        self._store.set(self._committed_key,
-                        signing.seal(self._committed_key, str(step)))
-        self._store.check([self._committed_key])
+        """Rank 0, every acknowledgement in: record the committed step in the store.
+        In the background (tree commit): the planner reads the step from the join
+        records too, so no rank depends on the record having landed."""
+        assert self._recorder is not None
+        self._recorder.record(step)
 
     def _commit(self, step: int) -> None:
         """Block until ``step`` is committed on every copy."""
@@ -343,7 +358,12 @@ class Replicator:
     def close(self) -> None:
         try:
             self.wait()
+            if self._recorder is not None and not self._recorder.flush(RECORD_FLUSH_S):
+                log.warning("the committed-step record did not reach the job store within "
+                            "%.0fs of the end", RECORD_FLUSH_S)
         finally:
+            if self._recorder is not None:
+                self._recorder.stop()
             self._rounds.stop()
             self.channel.close()
 
@@ -356,6 +376,8 @@ class Replicator:
         and replicas stay valid and are handed to the next generation.
         """
         self._inflight = None
+        if self._recorder is not None:
+            self._recorder.stop()  # a rollback follows: no record of this timeline after it
         self._rounds.stop()  # ends once the abandoned round, if any, gives up
         self.channel.abort()  # its waits give up within a poll interval
         return self.channel

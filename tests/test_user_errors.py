@@ -88,3 +88,22 @@ def test_the_same_exception_at_the_same_step_is_not_retried(tmp_path):
     assert "max_restarts" not in text
     fatal = job.events("job_failed")
     assert fatal and "deterministic failure" in fatal[0]["reason"], fatal
+
+
+def test_a_peer_killed_during_set_up_is_a_failure_not_a_bug(tmp_path):
+    """Rank 1 is SIGKILLed (as the OOM killer would) right after ``init_process_group``,
+    while rank 0 waits in DDP's set-up broadcast: rank 0's error is a consequence of a
+    failure elsewhere, not a bug in the script. Before, it was reported as "rank 0
+    raised CollectiveAborted ... before its first step; not retried" and the job
+    stopped. Nothing was committed and every process is new, so the job starts afresh,
+    as the first generation did, and completes."""
+    job = run_job(tmp_path / "run", nproc=2, script="tests/user_scripts/peer_dies_in_setup.py",
+                  script_args=(), timeout_s=90)
+    assert not job.timed_out, job.output()
+    assert job.returncodes[0] == 0, job.output()
+    assert (tmp_path / "run" / "killed_in_setup").exists(), "the fault did not happen"
+    text = _all_output(job)
+    assert "before its first step" not in text, text[-3000:]
+    assert [e["step"] for e in job.events("worker_done")] == [6, 6], job.output()
+    recoveries = job.events("recovery")
+    assert recoveries and {e["target_step"] for e in recoveries} == {0}, recoveries
