@@ -740,6 +740,7 @@ def run_rendezvous(pool: StorePool, n: int, ranks_per_node: int, factor: int,
     connections and each derives the plan."""
     from launcher import membership
     from recovery import auth, protocol
+    from recovery.causes import FailureCause
     from replication import signing
     from replication.commit import COMMITTED_KEY
     from replication.placement import place_replicas, sources_of
@@ -755,7 +756,7 @@ def run_rendezvous(pool: StorePool, n: int, ranks_per_node: int, factor: int,
     for g in range(1, gen + 1):
         key = protocol.cause_key(g)
         if not setup.check([key]):
-            auth.put(setup, key, json.dumps({"kind": "node_lost", "node": lost_node}))
+            auth.put(setup, key, json.dumps({"kind": FailureCause.NODE_LOST, "node": lost_node}))
     for group in range(n // ranks_per_node):
         membership.own_group(setup, group, group)
     counter.reset()

@@ -26,17 +26,18 @@ from recovery.protocol import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 SHOWN = {
-    "fault_injected": lambda e: f"fault injected on rank {e['rank']} at step {e['step']} "
+    Event.FAULT_INJECTED: lambda e: f"fault injected on rank {e['rank']} at step {e['step']} "
     f"({e['phase']}, {e['kind']}); committed step {e.get('committed')}",
-    "worker_exit": lambda e: f"rank {e['rank']} exited ({e.get('signal') or e.get('exitcode')})",
-    "worker_hung": lambda e: f"rank {e['rank']} hung; killed",
-    "node_lost": lambda e: f"node {e.get('lost_node', e.get('lost'))} lost",
-    "failure_declared": lambda e: f"generation {e['gen']} declared ({e['cause'].get('kind')})",
-    "replacement_assigned": lambda e: f"rank {e['rank']} handed to "
+    Event.WORKER_EXIT:
+    lambda e: f"rank {e['rank']} exited ({e.get('signal') or e.get('exitcode')})",
+    Event.WORKER_HUNG: lambda e: f"rank {e['rank']} hung; killed",
+    Event.NODE_LOST: lambda e: f"node {e.get('lost_node', e.get('lost'))} lost",
+    Event.FAILURE_DECLARED: lambda e: f"generation {e['gen']} declared ({e['cause'].get('kind')})",
+    Event.REPLACEMENT_ASSIGNED: lambda e: f"rank {e['rank']} handed to "
     f"{'a warm spare' if e.get('spare') else 'a new process'} (pid {e['pid']})",
-    "node_takeover": lambda e: f"node {e.get('node')} took over ranks {e.get('ranks')}",
-    "resumed": lambda e: f"training resumed: step {e['step']} done",
-    "job_done": lambda e: "job done",
+    Event.NODE_TAKEOVER: lambda e: f"node {e.get('node')} took over ranks {e.get('ranks')}",
+    Event.RESUMED: lambda e: f"training resumed: step {e['step']} done",
+    Event.JOB_DONE: lambda e: "job done",
 }
 
 

@@ -129,7 +129,7 @@ def warm_job_modules(stop: threading.Event, poll_s: float = 0.5) -> None:
     under ``<run_dir>/warm/``; a spare imports them in the background, so a replacement
     does not pay that import on the recovery path, while spares of other jobs never do.
     """
-    run_dir = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR")
+    run_dir = os.environ.get(contract.ENV_RUN_DIR)
     if not run_dir:
         return
     seen: set[str] = set()
@@ -140,7 +140,7 @@ def warm_job_modules(stop: threading.Event, poll_s: float = 0.5) -> None:
 
 def import_job_modules(seen: set[str], stop: threading.Event | None = None) -> None:
     """One pass of :func:`warm_job_modules`: import the names not in ``seen`` yet."""
-    run_dir = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR")
+    run_dir = os.environ.get(contract.ENV_RUN_DIR)
     if not run_dir:
         return
     try:

@@ -5,6 +5,9 @@ object whose ``kind`` is a :class:`FailureCause`; the agent, the worker runtime,
 run report and the chaos metrics all read it. Each kind is spelled here once, with its
 words (:func:`describe`), and :func:`classify` tells a worker's own exception from the
 consequence of a failure elsewhere by the exception's *type*, never its message.
+One kind is never declared as a failure: :data:`FailureCause.USER_ERROR` is the
+``kind`` of the job's fatal record when a bug in the script stops the job
+(``recovery.user_errors``), so that record names its cause in the same vocabulary.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class FailureCause(StrEnum):
     PEER_FAILURE = "peer_failure"  # a worker's collective failed because a peer did
     FAILURE_DURING_RECOVERY = "failure_during_recovery"  # a recovery was interrupted
     REPLACEMENT = "replacement"  # a replacement process joining (not a failure at all)
+    #: A bug in the user's script stopped the job (``recovery.user_errors``). Only the
+    #: job's fatal record carries it: such a failure is never declared nor retried.
+    USER_ERROR = "user_error"
 
 
 #: Causes that are consequences of another failure: a survivor's failed collective, a
@@ -92,6 +98,8 @@ def describe(cause: Mapping[str, Any]) -> str:
         return f"failure during recovery, seen by {where}: {_short(cause.get('error'))}"
     if kind == FailureCause.PEER_FAILURE:
         return f"{where} saw a peer fail: {_short(cause.get('error'))}"
+    if kind == FailureCause.USER_ERROR:  # a fatal record: its reason is the whole story
+        return f"a bug in the script stopped the job: {_short(cause.get('reason'))}"
     return f"{kind or 'unknown failure'} ({where})"
 
 

@@ -41,8 +41,22 @@ from replication.errors import CheckpointlessError
 WATCH_SLICE_S = 1.0
 
 
+#: The gRPC status code etcd answers when what a request names does not exist (for the
+#: lease calls: ``etcdserver: requested lease not found``).
+GRPC_NOT_FOUND = 5
+
+
 class EtcdStoreError(CheckpointlessError, dist.DistStoreError):
-    """etcd refused a request or answered with something this client cannot read."""
+    """etcd refused a request or answered with something this client cannot read.
+
+    ``code`` is the gRPC status code of etcd's reply when it gave one (its JSON gateway
+    answers an error as ``{"error", "message", "code"}``), else None: callers tell
+    refusals apart by it, not by the wording of the message.
+    """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EtcdStoreTimeout(EtcdStoreError):
@@ -56,6 +70,15 @@ class EtcdUnavailable(EtcdStoreError):
 
 class EtcdLeaseExpired(EtcdStoreError):
     """A lease that a keepalive was sent for no longer exists (it expired or was revoked)."""
+
+
+def _grpc_code(text: str) -> int | None:
+    """The gRPC status code in etcd's JSON error reply, or None if it has none."""
+    try:
+        code = json.loads(text).get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) else None
 
 
 def _b64(data: bytes) -> str:
@@ -172,7 +195,7 @@ class EtcdStore(dist.Store):
             raise _Retry(f"{self._endpoints[idx]}: HTTP {resp.status} {text[:200]}")
         if resp.status != 200:
             raise EtcdStoreError(f"etcd {self._endpoints[idx]} refused {path}: "
-                                 f"HTTP {resp.status} {text[:300]}")
+                                 f"HTTP {resp.status} {text[:300]}", _grpc_code(text))
         line = text.strip().split("\n", 1)[0]  # streaming calls answer one JSON per line
         reply = json.loads(line) if line else {}
         if "error" in reply:  # a stream's in-band error
@@ -414,7 +437,7 @@ class EtcdStore(dist.Store):
         try:
             self._call("/v3/lease/revoke", {"ID": str(lease_id)})
         except EtcdStoreError as exc:
-            if "lease not found" in str(exc):
+            if exc.code == GRPC_NOT_FOUND:  # the only NotFound of a revoke: no such lease
                 return False
             raise
         return True

@@ -85,6 +85,7 @@ def stop_job(reason: str, exc: BaseException) -> bool:
     """Record ``reason`` as the job's fatal reason; print the traceback and the line if
     this rank recorded it first (the others print one line). Returns whether it did."""
     from recovery import protocol
+    from recovery.causes import FailureCause
     from recovery.env import WorkerEnv
 
     env = WorkerEnv.from_environ()
@@ -92,7 +93,7 @@ def stop_job(reason: str, exc: BaseException) -> bool:
     if env.launched:
         try:
             store = env.connect_store()
-            protocol.set_fatal(store, reason, rank=env.rank, kind="user_error")
+            protocol.set_fatal(store, reason, rank=env.rank, kind=FailureCause.USER_ERROR)
             recorded = protocol.fatal(store) or {}
             first = recorded.get("rank") == env.rank and recorded.get("reason") == reason
         except Exception as store_exc:  # the job store is gone: say it here at least

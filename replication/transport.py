@@ -53,6 +53,10 @@ def wait_polled(
             work.wait(poll)  # type: ignore[attr-defined]
             return
         except RuntimeError as exc:
+            # The message is all there is: c10d's ``Work.wait(timeout)`` raises a plain
+            # RuntimeError ("Operation timed out!"), and so does gloo for its own
+            # timeout ("Timed out waiting ...") and a lost peer ("Connection closed by
+            # peer"); no DistError subclass or code tells them apart (torch 2.13).
             if "timed out" not in str(exc).lower():
                 raise
             now = time.monotonic()

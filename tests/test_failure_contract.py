@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 from pathlib import Path
 
@@ -86,24 +87,84 @@ def test_the_event_log_refuses_an_unregistered_name(tmp_path) -> None:
     assert [json.loads(x)["event"] for x in lines] == ["recovery", "recovery"]
 
 
+#: Where events are written or read: the packages, the benchmarks and the examples.
+_EVENT_CODE = ("recovery", "replication", "launcher", "dataloader_cache", "benchmarks",
+               "examples")
+
+
+def _trees() -> list[tuple[str, ast.AST]]:
+    return [(str(path.relative_to(ROOT)), ast.parse(path.read_text()))
+            for pkg in _EVENT_CODE for path in sorted((ROOT / pkg).rglob("*.py"))]
+
+
 def _literal_event_names() -> set[tuple[str, str]]:
-    """Every string literal passed as the first argument of an ``emit``/``_emit`` call,
-    and every ``"event"`` compared against in the readers, across the packages."""
+    """Every string literal passed as the first argument of an ``emit``/``_emit`` call
+    (the writers), across the packages, the benchmarks and the examples."""
     found = set()
-    for pkg in ("recovery", "replication", "launcher", "benchmarks", "examples"):
-        for path in (ROOT / pkg).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr in ("emit", "_emit") and node.args
-                        and isinstance(node.args[0], ast.Constant)
-                        and isinstance(node.args[0].value, str)):
-                    found.add((str(path.relative_to(ROOT)), node.args[0].value))
+    for rel, tree in _trees():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("emit", "_emit") and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
+                found.add((rel, node.args[0].value))
     return found
+
+
+def _is_event_field(node: ast.AST) -> bool:
+    """``e["event"]`` or ``e.get("event")`` (whatever ``e`` is called)."""
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "event"
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get" and bool(node.args)
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value == "event")
+
+
+def _string_constants(node: ast.AST) -> list[str]:
+    """A string literal, or the string literals of a tuple/list/set literal."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def _compared_event_literals(tree: ast.AST) -> tuple[int, set[str]]:
+    """(how many comparisons of an event's name ``tree`` holds, the string literals
+    they compare it with): ``e["event"] == "step"``, ``e.get("event") in ("a", "b")``,
+    the name on either side of the operator."""
+    seen, found = 0, set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for left, right in itertools.pairwise(operands):
+            for field, other in ((left, right), (right, left)):
+                if _is_event_field(field):
+                    seen += 1
+                    found |= set(_string_constants(other))
+    return seen, found
 
 
 def test_every_event_written_anywhere_is_registered() -> None:
     names = {e.value for e in Event}
     assert [(p, n) for p, n in sorted(_literal_event_names()) if n not in names] == []
+
+
+def test_readers_compare_event_names_against_the_registry() -> None:
+    """A reader spelling a name itself would silently match nothing after a rename;
+    comparing against ``Event`` members fails at import instead."""
+    literals, seen = [], 0
+    for rel, tree in _trees():
+        n, found = _compared_event_literals(tree)
+        seen += n
+        literals += [(rel, name) for name in sorted(found)]
+    assert literals == []
+    assert seen >= 20  # the scan saw the readers' comparisons
+
+
+def test_the_comparison_scan_sees_each_spelling() -> None:
+    """The scan above is live: it finds a literal in each form a reader writes."""
+    tree = ast.parse('a = e["event"] == "step"\nb = "kill" != e.get("event")\n'
+                     'c = e.get("event") in ("saved", Event.STEP)\n')
+    assert _compared_event_literals(tree) == (3, {"step", "kill", "saved"})
 
 
 _BUILTIN_ERRORS = {"Exception", "RuntimeError", "ValueError", "TypeError", "TimeoutError",

@@ -43,23 +43,25 @@ def _modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
+def _imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     """Every absolute module this file imports (relative imports resolved), with lines."""
     tree = ast.parse(path.read_text(), str(path))
-    here = path.relative_to(ROOT).with_suffix("").parts
+    # The package a relative import starts from (``__package__``): the directory that
+    # holds the file, for a package's ``__init__.py`` as for any other module, so
+    # ``from . import x`` in ``a/b/__init__.py`` is ``a.b.x`` and ``from .. import x``
+    # is ``a.x``.
+    package = path.relative_to(root).parent.parts
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = list(here[: len(here) - node.level])
-                if path.name == "__init__.py":
-                    base = list(here[: len(here) - node.level + 1])
+                base = list(package[: len(package) - node.level + 1])
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if (ROOT / Path(*mod.split("."))).is_dir():
+            if (root / Path(*mod.split("."))).is_dir():
                 # ``from package import x``: x is a module of the package (or a name its
                 # __init__ defines); either way the dependency is on package.x.
                 out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
@@ -135,3 +137,22 @@ def test_the_shared_modules_are_stdlib_only(name) -> None:
 
     mods = {m.split(".")[0] for _, m in _imports(ROOT / "replication" / name)}
     assert mods <= set(sys.stdlib_module_names) | {"__future__"}, mods
+
+
+def test_relative_imports_resolve_as_python_resolves_them(tmp_path) -> None:
+    """In a package's ``__init__.py`` as in its other modules, ``.`` is the package
+    itself and ``..`` its parent (``importlib.util.resolve_name`` with ``__package__``)."""
+    import importlib.util
+
+    sub = tmp_path / "pkg" / "sub"
+    sub.mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    source = "from . import a\nfrom .. import b\nfrom .mod import c\nfrom ..other import d\n"
+    for name in ("__init__.py", "mod.py"):
+        (sub / name).write_text(source)
+        want = [(1, importlib.util.resolve_name(".a", "pkg.sub")),
+                (2, importlib.util.resolve_name("..b", "pkg.sub")),
+                (3, importlib.util.resolve_name(".mod", "pkg.sub")),
+                (4, importlib.util.resolve_name("..other", "pkg.sub"))]
+        assert sorted(_imports(sub / name, tmp_path)) == want, name
+    assert want == [(1, "pkg.sub.a"), (2, "pkg.b"), (3, "pkg.sub.mod"), (4, "pkg.other")]

@@ -282,6 +282,9 @@ def run_dcp(args: argparse.Namespace, out: Path) -> None:
                          process_group=train_group)
                 log.emit(Event.SAVED, step=step, save_s=time.time() - t0)
             except Exception as exc:  # generous: a plain script would die here
+                # A peer gone or hung reaches DCP's collectives as gloo's plain
+                # RuntimeError ("Connection closed by peer", "Timed out waiting ..."),
+                # the type a storage failure can have too: only the message tells.
                 if "timed out" in str(exc).lower() or "connection" in str(exc).lower():
                     raise  # a peer is gone or hung, not the storage
                 log.emit(Event.SAVE_FAILED, step=step, error=f"{type(exc).__name__}: {exc}"[:300])

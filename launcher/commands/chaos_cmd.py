@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+from replication.contract import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -34,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _unavailable(_args: argparse.Namespace) -> int:
     print("checkpointless: error: 'chaos' needs a source checkout of checkpointless "
           "(run it from the repository root: the benchmark is not installed)", file=sys.stderr)
-    return 2
+    return EXIT_USAGE  # nothing ran: the environment cannot run the command
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -45,4 +47,4 @@ def _run(args: argparse.Namespace) -> int:
         return _unavailable(args)
     result = run(Options.from_args(args))
     print(json.dumps(result, sort_keys=True), flush=True)
-    return 0 if "error" not in result else 1
+    return EXIT_OK if "error" not in result else EXIT_FAILED

@@ -130,7 +130,7 @@ def _world_size(by: dict[str, list[dict[str, Any]]]) -> int:
              if isinstance(e.get("world_size"), int)]
     if sizes:
         return max(sizes)
-    ranks = [e.get("rank") for name in ("worker_start", "worker_ready", "recovery")
+    ranks = [e.get("rank") for name in (Event.WORKER_START, Event.WORKER_READY, Event.RECOVERY)
              for e in by.get(name, [])]
     ints = [r for r in ranks if isinstance(r, int)]
     return max(ints) + 1 if ints else 0
@@ -151,11 +151,11 @@ def _final_step(by: dict[str, list[dict[str, Any]]],
 
 def _outcome(by: dict[str, list[dict[str, Any]]]) -> str:
     if by.get(Event.JOB_FAILED):
-        return f"failed: {by['job_failed'][0].get('reason', '?')}"
+        return f"failed: {by[Event.JOB_FAILED][0].get('reason', '?')}"
     if by.get(Event.JOB_DONE):
         return "completed"
     if by.get(Event.AGENT_EXIT):
-        return f"stopped by {by['agent_exit'][0].get('signal', 'a signal')}"
+        return f"stopped by {by[Event.AGENT_EXIT][0].get('signal', 'a signal')}"
     return "unfinished (no job_done or job_failed event: still running, or the agents died)"
 
 

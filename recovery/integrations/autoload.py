@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any
 
+from replication import contract
+
 TARGET = "lightning.pytorch"
 #: Modules a warm spare should import once a worker of the job has used Lightning
 #: (see :func:`mark_for_spares` and ``launcher.spare``).
@@ -93,8 +95,8 @@ def mark_for_spares() -> None:
     on the recovery path. The marker is a file per module under ``<run_dir>/warm/``;
     only launched workers (with a run directory from the agent) write it.
     """
-    run_dir = os.environ.get("CHECKPOINTLESS_INTERNAL_RUN_DIR")
-    if not run_dir or not os.environ.get("CHECKPOINTLESS_INTERNAL_STORE"):
+    run_dir = os.environ.get(contract.ENV_RUN_DIR)
+    if not run_dir or not os.environ.get(contract.ENV_STORE):
         return
     warm = os.path.join(run_dir, "warm")
     try:

@@ -15,14 +15,16 @@ from recovery.recipe.errors import Problem, short_repr, suggest
 from recovery.recipe.fields import fields_by_env
 from recovery.recipe.recipe import RecipeBlock
 from recovery.recipe.schema import BLOCK_KEY
+from replication import contract
 
 ENV_PREFIX = "CHECKPOINTLESS_"
 
 #: Variables the runtime sets for its own processes; the config loader never reads them.
-#: (``CHECKPOINTLESS_JOB_SECRET`` is the job secret: never config, never echoed.)
+#: (:data:`~replication.contract.ENV_JOB_SECRET` is the job secret: never config, never
+#: echoed; :data:`~replication.contract.ENV_CONFIG` is the resolved recipe itself.)
 RESERVED_ENV = frozenset(
-    {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES", "CHECKPOINTLESS_CONFIG_JSON",
-     "CHECKPOINTLESS_JOB_SECRET"}
+    {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES", contract.ENV_CONFIG,
+     contract.ENV_JOB_SECRET}
 )
 #: Any variable with this prefix is also the runtime's own (rank hand-off, generations...).
 RESERVED_ENV_PREFIX = "CHECKPOINTLESS_INTERNAL_"
