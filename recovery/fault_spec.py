@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from replication.errors import CheckpointlessError
 
+#: Read by a worker started without ``checkpointless run`` (no recipe reaches it); under
+#: the launcher the recipe layer reads it like any ``CHECKPOINTLESS_<SECTION>_<KEY>``.
+FAULT_ENV = "CHECKPOINTLESS_RECOVERY_FAULT"
 PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery")
 KINDS = ("sigkill", "sigstop", "exception", "node")
 

@@ -43,7 +43,7 @@ from recovery.durable_tier import DurableTier
 from recovery.env import WorkerEnv
 from recovery.errors import CollectiveAborted, FailureDetected, Fenced, RecoveryImpossible
 from recovery.events import Event
-from recovery.fault_spec import parse_faults
+from recovery.fault_spec import FAULT_ENV, parse_faults
 from recovery.faults import FaultInjector
 from recovery.recipe import CheckpointlessConfig, worker_config
 from recovery.rendezvous import FRESH_START, GenerationChanged, RecoveryPlan, agree
@@ -118,7 +118,7 @@ class Checkpointless:
         auth.set_reporter(lambda **f: self.log.emit(Event.AUTH_REJECTED, rank=self.rank, **f))
         self.store = self._connect_store()
         rec = self.settings.recovery
-        fault_text = rec.fault or os.environ.get("CHECKPOINTLESS_RECOVERY_FAULT", "")
+        fault_text = rec.fault or os.environ.get(FAULT_ENV, "")
         self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log,
                                     committed=lambda: self.committed_step)
         self.faults.install(model, optimizer)
