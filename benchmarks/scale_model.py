@@ -32,7 +32,7 @@ class Assumptions:
     """What the harness cannot measure here. Defaults are stated in docs/scale.md."""
 
     ranks_per_node: int = 8
-    heartbeat_timeout_s: float = 30.0  # recovery.heartbeat_timeout_s default
+    heartbeat_timeout_s: float = 15.0  # recovery.heartbeat_timeout_s default
     heartbeat_interval_s: float = 1.0  # recovery.heartbeat_interval_s default
     state_bytes_per_rank: float = 8 * 2**30  # one rank's training state
     handover_copies: int = 2  # the newcomer's state + its source's (reseed, ADR 0018)

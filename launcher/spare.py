@@ -302,10 +302,14 @@ def run_assigned(assignment: dict) -> None:
         from recovery.causes import FailureCause, classify
         from recovery.errors import Fenced, RecoveryImpossible
 
-        # The runtime's own verdicts (recorded and reported already) leave as before, and
-        # so does a failure elsewhere (a peer killed while this rank waited in DDP's
-        # set-up broadcast): it is the job's failure to recover from, not the script's.
-        if (user_errors.first_step_done() or isinstance(exc, (RecoveryImpossible, Fenced))
+        if isinstance(exc, RecoveryImpossible):
+            # The runtime's verdict, recorded as the job's fatal reason: the agents print
+            # it in one line, and a repeated bug's traceback was printed once already.
+            # Python's report of it escaping the script would repeat both (issue 16).
+            raise SystemExit(contract.EXIT_FAILED) from None
+        # A failure elsewhere (a peer killed while this rank waited in DDP's set-up
+        # broadcast) is the job's failure to recover from, not the script's.
+        if (user_errors.first_step_done() or isinstance(exc, Fenced)
                 or classify(exc, lambda: False) is FailureCause.PEER_FAILURE):
             raise
         user_errors.stop_before_first_step(exc)

@@ -20,8 +20,9 @@ class RecoveryConfig:
         default=1.0, metadata={"help": "worker heartbeat period", "min": 0.05}
     )
     heartbeat_timeout_s: float = field(
-        default=30.0,
-        metadata={"help": "a worker silent this long is declared hung and killed", "min": 0.5},
+        default=15.0,  # torchrun's keep-alive expiry (5 s x 3 attempts): ADR 0026
+        metadata={"help": "a worker silent this long is declared hung and killed; a node "
+                          "(its agent) silent this long is declared lost", "min": 0.5},
     )
     mtbf_s: float | None = field(
         default=None,

@@ -87,3 +87,31 @@ def test_ctrl_c_stops_every_node_with_one_line(tmp_path, moment):
             assert said == [f"[checkpointless node {node}] SIGINT: stopping this node's "
                             "workers"], lines
         assert len(lines) <= 4, lines  # joined, listening, the SIGINT line
+
+
+def test_sigterm_to_the_store_hosts_agent_mid_training_stops_the_job(tmp_path):
+    """``kill PID`` (a scheduler's SIGTERM to the agent alone, not its group) while the
+    workers train: node 0 hosts the store, so the job ends on both nodes, each with
+    one line and no traceback, within seconds (exit 143 on node 0)."""
+    procs = _start(tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while not _training(tmp_path):
+            assert time.monotonic() < deadline, "the job never trained"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        procs[0].send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert took < 15.0, f"stopping took {took:.1f}s"
+    assert procs[0].returncode == 128 + signal.SIGTERM, outs[0][-3000:]
+    assert procs[1].returncode not in (0, None), outs[1][-3000:]
+    for out in outs:
+        assert "Traceback" not in out, out[-3000:]
+    assert "[checkpointless node 0] SIGTERM: stopping this node's workers" in outs[0]
+    assert "node 0 stopped by SIGTERM" in outs[1], outs[1][-3000:]

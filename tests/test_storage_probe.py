@@ -91,6 +91,27 @@ def test_the_job_stops_before_any_worker_starts(read_only_dir, tmp_path):
     assert '"worker_start"' not in events, "a worker started before the storage check"
 
 
+def test_a_job_whose_s3_endpoint_is_down_stops_before_training_with_one_line(tmp_path):
+    """Issue 16's row: ``persistence.path=s3://...`` with the endpoint down cost 77 s of
+    botocore tracebacks, then the generic max_restarts line. Now: no worker starts, and
+    the job stops within the probe's deadline with one line naming persistence.path."""
+    from tests.recovery_harness import run_job
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    options = ("persistence.storage_options={key: k, secret: s, client_kwargs: "
+               f"{{endpoint_url: '{endpoint}', region_name: us-east-1}}}}")
+    job = run_job(tmp_path / "run", nproc=2, timeout_s=60,
+                  overrides=["persistence.path=s3://bucket/ckpt", options])
+    assert not job.timed_out, job.output()
+    assert job.returncodes[0] not in (0, None), job.returncodes
+    assert job.elapsed_s < 35, f"took {job.elapsed_s:.1f}s"
+    assert not job.events("worker_start"), "a worker started before the storage check"
+    err = job.agents[0].stderr
+    failed = [line for line in err.splitlines() if "job failed" in line]
+    assert len(failed) == 1 and "persistence.path 's3://bucket/ckpt'" in failed[0], err
+    assert "Traceback" not in err and "max_restarts" not in err, err[-3000:]
+
+
 def _remount_read_only_when_training(mount: Path):
     """A ``during`` hook: once the agent starts a worker (its storage check passed; the
     worker still has seconds of imports before its first step), make the storage

@@ -88,6 +88,12 @@ def test_the_same_exception_at_the_same_step_is_not_retried(tmp_path):
     assert "max_restarts" not in text
     fatal = job.events("job_failed")
     assert fatal and "deterministic failure" in fatal[0]["reason"], fatal
+    # the traceback once (the first time, on the rank that raised), and a bounded
+    # console: issue 16 counted 465 lines of nested tracebacks for this script
+    assert text.count("Traceback (most recent call last)") <= 2, text[-4000:]
+    assert text.count("ValueError: bad batch shape") <= 6, text[-4000:]
+    assert len(text.splitlines()) < 120, f"{len(text.splitlines())} lines\n{text[-4000:]}"
+    assert job.elapsed_s < 45, f"took {job.elapsed_s:.1f}s"
 
 
 def test_a_peer_killed_during_set_up_is_a_failure_not_a_bug(tmp_path):
