@@ -59,7 +59,7 @@ def main() -> None:
             import time
 
             time.sleep(args.step_sleep)
-        if rank == 0 and (step % 10 == 0 or step == args.steps):
+        if rank == 0 and (step % 10 == 0 or step == args.steps) and not cl.replaying(step):
             print(f"[rank 0] step {step:4d} loss {loss.item():.4f}", flush=True)
 
     cl.run(train_step, args.steps)

@@ -154,6 +154,7 @@ class Checkpointless:
         atexit.register(self.watchdog.stop)
         self.start_step = 1
         self._initial_snapshot = True  # start() says otherwise for frameworks
+        self._completed = 0  # the newest step this process completed (see replaying)
         self.restored_step: int | None = None  # set by start(): recovered or resumed step
         if start:
             self.start()
@@ -254,6 +255,12 @@ class Checkpointless:
         except RuntimeError as exc:
             raise FailureDetected(f"collective failed: {exc}") from exc
 
+    def replaying(self, step: int) -> bool:
+        """Whether this process completed ``step`` before its last recovery: the step
+        runs again (bit-identical), and whatever the script printed for it the first
+        time it would print twice. A newcomer has no first time: False there."""
+        return step <= self._completed
+
     @property
     def committed_step(self) -> int:
         try:
@@ -320,6 +327,7 @@ class Checkpointless:
     def _after_step(self, step: int, snapshot: bool | None = None) -> None:
         assert self.replicator is not None
         user_errors.mark_first_step_done()
+        self._completed = max(self._completed, step)
         # A slot the durable writer still reads is held (see DurableTier.persist_committed): the
         # capture below takes another slot, or waits only if it must reuse that one.
         if snapshot is None:

@@ -131,3 +131,18 @@ def test_drift_is_judged_within_the_groups_that_matched():
     assert watch.take() == [(3, "model", "identical on [2, 3], now [2] vs [3]")]
     watch.observe(4, ["model", "loader"], [[1, 1], [2, 2], [3, 3], [4, 4]])
     assert watch.take() == []  # reported once per entry
+
+
+def test_a_replayed_step_is_printed_once(tmp_path):
+    """Issue 16: "the replayed step prints twice". Rank 1 dies in step 10's replication
+    round (after rank 0 printed step 10's loss, before step 10 was committed), so rank 0
+    rolls back to 9 and replays 10; ``cl.replaying(10)`` lets the script print it once."""
+    job = run_job(tmp_path / "run", nproc=2, timeout_s=90,
+                  script_args=("--steps", "16", "--dim", "32", "--layers", "1", "--batch",
+                               "4", "--seq-len", "16"),
+                  overrides=["recovery.fault=1:10:replication:sigkill"])
+    assert_succeeded(job)
+    [rec] = [e for e in job.events("recovery") if e["rank"] == 0]
+    assert rec["target_step"] == 9, rec
+    printed = [line for line in job.agents[0].stdout.splitlines() if "] step " in line]
+    assert [line.split()[-3] for line in printed] == ["10", "16"], printed
