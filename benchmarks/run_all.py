@@ -186,11 +186,12 @@ BENCHES = {
                 "per step for the whole job, by rank 0; `_max_node` is the busiest "
                 "node); 'the same at 64 and 1024' is read as 'does not grow' (ratio <= "
                 "1). `predicted_recovery_s_16384` composes detection (the default "
-                "heartbeat timeout, 30 s, plus one interval), the rendezvous measured "
-                "on this checkout (`rendezvous_impl`), a handover and a process-group "
-                "re-creation that are stated assumptions; with today's join the "
-                "rendezvous' O(N^2) keys dominate. The 2-core host makes every wall-clock "
-                "figure an upper bound of what a cluster's store would see.",
+                "heartbeat timeout, 15 s since ADR 0026, torchrun's keep-alive expiry; "
+                "30 s before, which gave 43 s), plus one interval), the rendezvous "
+                "measured on this checkout (`rendezvous_impl`), a handover and a "
+                "process-group re-creation that are stated assumptions (10 s at 16k "
+                "ranks: no measurement at scale here). The 2-core host makes every "
+                "wall-clock figure an upper bound of what a cluster's store would see.",
     },
 }
 
