@@ -14,11 +14,14 @@ step:
 
 Each job runs every point of the sweep: state bytes per rank over step time from 0.05
 to 2 GB/s (:data:`RATES`), snapshots every step (``every1``) and every N steps
-(``everyN``), and on the k2 job an ``auto`` phase where the interval policy
-(:mod:`recovery.interval_policy`) measures the costs and picks N for
-``replication.max_overhead`` (0.02). The kinds of step are ``cpu`` (real compute on
-the host's cores, shared with the runtime) and ``device`` (the host waits natively
-for an emulated device; see the worker's docstring and docs/performance.md).
+(``everyN``). On cpu steps a fourth job, **k2auto**, runs k2 with
+``replication.every_n_steps=auto`` exactly as a user would: the runtime
+(:mod:`recovery.auto_interval`) measures its own costs, agrees on N for
+``replication.max_overhead`` (0.02) and applies it; the bench only times the steps and
+reads the choices from the run's ``auto_interval`` events. The kinds of step are
+``cpu`` (real compute on the host's cores, shared with the runtime) and ``device`` (the
+host waits natively for an emulated device; see the worker's docstring and
+docs/performance.md).
 
 Figures (overhead = mean step time of the runtime's phase / plain's same phase - 1):
 
@@ -29,9 +32,11 @@ Figures (overhead = mean step time of the runtime's phase / plain's same phase -
   from a host whose cores all train, and far less sensitive to other load on the host;
 - ``overhead_plain_k2_nosnap_<kind>``: the runtime with no snapshot at all (its per-step
   bookkeeping: step boundary checks, events) at 0.5 GB/s;
-- ``overhead_plain_auto_cpu``: the auto phase against plain (the median over whole
-  intervals after the policy's choice of their mean step time, ``auto_intervals_timed``
-  of them); ``auto_interval_steps``, ``auto_budget``, ``auto_reasons``;
+- ``overhead_plain_auto_cpu``: the k2auto job against plain (the median over whole
+  intervals, from step :data:`AUTO_WARM` on, of their mean step time,
+  ``auto_intervals_timed`` of them); ``auto_interval_steps``, ``auto_budget``,
+  ``auto_reasons`` (the runtime's own); ``overhead_auto_cpu_same_run``: the same against
+  that job's own steps without a snapshot;
 - ``profile_k2_every1_<kind>``: where a k=2 round's time goes at 0.5 GB/s, per
   snapshot (ms): the loop's own stall (capture, wait for the previous round, fence),
   and on the round's thread the overlapped copy + hash (seal), the announce allgather,
@@ -62,10 +67,16 @@ from pathlib import Path
 from benchmarks import goodput_model
 from benchmarks._harness import REPO, emit, free_port, job_env, median, progress, wait_all
 from benchmarks.goodput_model import HOUR
+from recovery.events import Event
+from recovery.protocol import read_events
 
 RATES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 QUICK_RATES = (0.1, 0.5, 2.0)
 KEY_RATE = 0.5
+AUTO_WARM = 96
+"""Steps of the ``auto`` job not timed: the policy's probe (48 steps) and its first
+agreement (global step 64, ``recovery.auto_interval.AGREE_EVERY``), with margin."""
+AUTO_BUDGET = 0.02  # replication.max_overhead, its default
 """GB/s per rank of the headline keys (real LLM training under FSDP: 0.1 to 1)."""
 WORKER = str(REPO / "benchmarks" / "overhead_worker.py")
 
@@ -139,10 +150,12 @@ def phases_for(kind: str, state_bytes: int, rates: tuple[float, ...], every_n: i
                         "only": ["plain"],
                         "warm": 2, "steps": dcp_every * (3 if quick else 8)})
             if kind == "cpu":
-                out.append({**base, "name": f"auto_{rate}", "every": -1, "budget": 0.02,
-                            "only": ["k2"],  # plain: its 0.5 GB/s phases are the reference
-                            "warm": 50, "steps": 120 if quick else 400,
-                            "max_steps": round((25 if quick else 120) / step_s)})
+                # ``replication.every_n_steps: auto`` as a user runs it: a job of its own
+                # (the runtime probes from its first step, agrees at step 64 and every
+                # 64 steps after), timed from step AUTO_WARM on, in whole intervals.
+                out.append({**base, "name": f"auto_{rate}", "every": -2,
+                            "only": ["k2auto"],  # plain: its 0.5 GB/s phases are the reference
+                            "warm": AUTO_WARM, "steps": 192 if quick else 640})
     return out
 
 
@@ -164,10 +177,12 @@ def run_job(mode: str, kind: str, out: Path, phases: list[dict], args: argparse.
     else:
         port = free_port()
         run_dir = out / f"run_{tag}"
+        factor = mode[1]  # k1, k2, k2auto
+        auto = ["replication.every_n_steps=auto", f"replication.max_overhead={AUTO_BUDGET}"]
         launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
                   f"127.0.0.1:{port}", "--rdzv-id", f"ovh-{tag}-{port}", "--run-dir",
-                  str(run_dir), "--spares", "0", f"replication.factor={mode[1:]}",
-                  "recovery.heartbeat_timeout_s=60"]
+                  str(run_dir), "--spares", "0", f"replication.factor={factor}",
+                  "recovery.heartbeat_timeout_s=60", *(auto if mode.endswith("auto") else [])]
         procs = [subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "--node-rank",
                                    str(n), *launch, WORKER, "--mode", "runtime",
                                    *(["--profile"] if args.profile else []), *common],
@@ -179,7 +194,12 @@ def run_job(mode: str, kind: str, out: Path, phases: list[dict], args: argparse.
         raise SystemExit(f"{tag}: the job failed with exit codes {rcs} (see {out})")
     loads.append({"job": tag, "before": round(load0, 2), "after": round(os.getloadavg()[0], 2),
                   "wall_s": round(time.perf_counter() - t0, 1)})
-    return json.loads((out / f"phases_{tag}.json").read_text())
+    result = json.loads((out / f"phases_{tag}.json").read_text())
+    if mode.endswith("auto"):  # the runtime's own account of its choices
+        events = read_events(out / f"run_{tag}" / "events.jsonl")
+        result["auto_events"] = [e for e in events if e.get("event") == Event.AUTO_INTERVAL
+                                 and e.get("rank") == 0]
+    return result
 
 
 def mean(xs: list[float]) -> float:
@@ -326,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             phases = phases_for(kind, state_bytes, cpu_rates if kind == "cpu" else rates,
                                 args.every_n, batches, q, args.dcp_every)
             res = {}
-            for mode in ("plain", "k1", "k2"):
+            for mode in ("plain", "k1", "k2", *(["k2auto"] if kind == "cpu" else [])):
                 progress(f"{kind}: {mode} ({len(phases)} phases)")
                 out = Path(tmp) / f"{mode}_{kind}"
                 out.mkdir()
@@ -337,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for kind, res in per_kind.items():
         plain = {p["name"]: p for p in res["plain"]["phases"]}
-        ovh = overheads(res["plain"], {m: res[m] for m in ("k1", "k2")})
+        ovh = overheads(res["plain"], {m: res[m] for m in ("k1", "k2", "k2auto") if m in res})
         for key, v in ovh.items():
             mode, rest = key.split("_", 1)
             every, rate = rest.split("_")
@@ -368,18 +388,18 @@ def main(argv: list[str] | None = None) -> None:
         result[f"k2_snapshot_cost_s_{kind}"] = ovh[f"k2_everyN_{KEY_RATE}"] * key_plain * \
             args.every_n
         if kind == "cpu":
-            auto = k2[f"auto_{KEY_RATE}"]
+            auto = next(p for p in res["k2auto"]["phases"] if p["name"] == f"auto_{KEY_RATE}")
+            chosen = res["k2auto"].get("auto_events", [])
             result.update(
-                overhead_plain_auto_cpu=ovh[f"k2_auto_{KEY_RATE}"],
+                overhead_plain_auto_cpu=ovh[f"k2auto_auto_{KEY_RATE}"],
                 auto_interval_steps=auto.get("auto_every"),
-                auto_budget=0.02,
-                auto_reasons=auto.get("auto_choices"),
-                auto_measured_cost_s=auto.get("auto_cost_s"),
-                auto_measured_plain_step_s=auto.get("auto_plain_s"),
+                auto_budget=AUTO_BUDGET,
+                auto_reasons=[f"step {e['step']}: every {e['every_n_steps']} steps: "
+                              + "; ".join(e.get("reasons", [])) for e in chosen],
             )
             own = [t for t, s, prev in zip(auto["times"], auto["snaps"],
                                            [True, *auto["snaps"][:-1]]) if not s and not prev]
-            if own and auto.get("auto_plain_s"):
+            if own:  # the same job's steps without a snapshot: the runtime's own reference
                 result["overhead_auto_cpu_same_run"] = (
                     interval_step_s(auto["times"], auto["snaps"]) / median(own) - 1)
             result["auto_intervals_timed"] = max(0, sum(auto["snaps"]) - 1)

@@ -122,14 +122,8 @@ class Job:
 
     def run_phase(self, phase: dict) -> dict:
         every = int(phase.get("every", 0))
-        policy = None
-        if every < 0 and self.cl is not None:  # auto: the policy, fed with this run's steps
-            from recovery.interval_policy import IntervalPolicy
-
-            policy = IntervalPolicy(budget=phase.get("budget", 0.02))
         times: list[float] = []
         snaps: list[bool] = []
-        choices: list[str] = []
         total = phase["warm"] + phase["steps"]
         t_prev = time.perf_counter()
         i = 0
@@ -142,9 +136,7 @@ class Job:
             if self.cl is not None:
                 self.cl.begin_step(self.step)
             self.compute(phase)
-            if policy is not None:
-                snap = policy.wants_snapshot()
-            elif every == -2:  # the runtime's own cadence (every_n_steps: auto, wired)
+            if every == -2 and self.cl is not None:  # the runtime's cadence (auto)
                 snap = None
                 taken = self.step % int(self.cl.settings.replication.every_n_steps) == 0
             else:
@@ -157,30 +149,11 @@ class Job:
             times.append(t - t_prev)
             snaps.append(bool(snap) if snap is not None else taken)
             t_prev = t
-            if policy is not None:
-                rnd = self.cl.replicator.last_round if snap else None
-                policy.observe(times[-1], snap,
-                               rnd.seal_s + rnd.transfer_s + rnd.commit_s if rnd else None)
-                if policy.due():  # the same step on both ranks: agree on the largest
-                    local = policy.propose()
-                    agreed = torch.tensor([local.every_n_steps if local else 0])
-                    self.cl.wait(dist.all_reduce(agreed, op=dist.ReduceOp.MAX, async_op=True))
-                    c = policy.adopt(int(agreed.item()), local) if agreed.item() > 0 else None
-                    if c is not None:
-                        choices.append(f"step {i}: {c.text}")
-                        # time at least five whole intervals after the choice (both ranks
-                        # agree on n, so on the length), within the phase's cap
-                        total = min(max(total, i + 5 * c.every_n_steps + 1),
-                                    phase.get("max_steps", total))
         out: dict = {"name": phase["name"], "times": times[phase["warm"]:],
                      "snaps": snaps[phase["warm"]:],
                      "cpu_s": time.process_time() - (cpu_at_warm or 0.0)}
         if every == -2 and self.cl is not None and self.cl.auto_interval is not None:
             out.update(auto_every=int(self.cl.settings.replication.every_n_steps))
-        if policy is not None and policy.current is not None:
-            out.update(auto_every=policy.current.every_n_steps, auto_choices=choices,
-                       auto_cost_s=policy.snapshot_cost_s, auto_plain_s=policy.plain_step_s)
-            # the timed window is the steps after the policy's last choice, in full intervals
         if self.dcp_future is not None:
             self.dcp_future.result()
             self.dcp_future = None
