@@ -51,6 +51,29 @@ def _training(tmp: Path) -> bool:
                for line in events.read_text().splitlines() if line.strip())
 
 
+def _wait_training(tmp: Path) -> None:
+    """Until a step event is written, then one second more: mid-training."""
+    deadline = time.monotonic() + 90
+    while not _training(tmp):
+        assert time.monotonic() < deadline, "the job never trained"
+        time.sleep(0.1)
+    time.sleep(1.0)
+
+
+def _signal_and_wait(procs: list[subprocess.Popen], send, timeout: float
+                     ) -> tuple[list[str], float]:
+    """``send()`` the signal, then collect every node's output; SIGKILL what is left."""
+    try:
+        send()
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return outs, time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("moment", ["importing", "starting", "training"])
 def test_ctrl_c_stops_every_node_with_one_line(tmp_path, moment):
     procs = _start(tmp_path)
@@ -60,20 +83,13 @@ def test_ctrl_c_stops_every_node_with_one_line(tmp_path, moment):
         elif moment == "starting":
             time.sleep(2.5)
         else:
-            deadline = time.monotonic() + 90
-            while not _training(tmp_path):
-                assert time.monotonic() < deadline, "the job never trained"
-                time.sleep(0.1)
-            time.sleep(1.0)
+            _wait_training(tmp_path)
+    except BaseException:
         for p in procs:
-            os.killpg(p.pid, signal.SIGINT)
-        t0 = time.monotonic()
-        outs = [p.communicate(timeout=30)[0] for p in procs]
-        took = time.monotonic() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)
+        raise
+    outs, took = _signal_and_wait(
+        procs, lambda: [os.killpg(p.pid, signal.SIGINT) for p in procs], timeout=30)
     assert took < 5.0, f"stopping took {took:.1f}s"
     assert [p.returncode for p in procs] == [130, 130], outs
     for node, out in enumerate(outs):
@@ -95,19 +111,13 @@ def test_sigterm_to_the_store_hosts_agent_mid_training_stops_the_job(tmp_path):
     one line and no traceback, within seconds (exit 143 on node 0)."""
     procs = _start(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while not _training(tmp_path):
-            assert time.monotonic() < deadline, "the job never trained"
-            time.sleep(0.1)
-        time.sleep(1.0)
-        procs[0].send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-        took = time.monotonic() - t0
-    finally:
+        _wait_training(tmp_path)
+    except BaseException:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)
+        raise
+    outs, took = _signal_and_wait(procs, lambda: procs[0].send_signal(signal.SIGTERM),
+                                  timeout=60)
     assert took < 15.0, f"stopping took {took:.1f}s"
     assert procs[0].returncode == 128 + signal.SIGTERM, outs[0][-3000:]
     assert procs[1].returncode not in (0, None), outs[1][-3000:]
