@@ -25,7 +25,6 @@ uncommitted and is raised in the training thread at the next call.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -231,18 +230,21 @@ class Replicator:
         gathered = self.channel.allgather(torch.tensor([node, expected], dtype=torch.int64))
         self.node_of_rank = [int(t[0]) for t in gathered]
         self.state_bytes_of_rank = [int(t[1]) for t in gathered]
-        if self.config.factor > world_size:
+        # The copies kept: at most one per process. Not written back into ``config``
+        # (nor into a copy of it): ``config`` is the job's settings object, shared with
+        # ``every_n_steps: auto``, which changes the interval in it while training runs.
+        self.factor = min(self.config.factor, world_size)
+        if self.factor < self.config.factor:
             log.warning("replication.factor=%d but the job has %d process(es): keeping %d "
                         "copies", self.config.factor, world_size, world_size)
-            self.config = dataclasses.replace(self.config, factor=world_size)
         self.holders = place_replicas(
-            self.node_of_rank, self.config.factor, self.config.placement, allow_same_node=True
+            self.node_of_rank, self.factor, self.config.placement, allow_same_node=True
         )
-        if self.config.factor > len(set(self.node_of_rank)) and rank == 0:
+        if self.factor > len(set(self.node_of_rank)) and rank == 0:
             log.warning(
                 "replication.factor=%d but only %d node(s): replicas are kept by other "
                 "processes, so a process failure is recoverable but the loss of a node is not",
-                self.config.factor, len(set(self.node_of_rank)),
+                self.factor, len(set(self.node_of_rank)),
             )
         self.sources = sources_of(self.holders)
         self._inflight: Future | None = None
@@ -256,7 +258,7 @@ class Replicator:
         staging = 0  # snapshot buffers are host memory (replication.device=cpu): no staging
         durable = state_bytes if self._durable_staging else 0
         replica_sizes = tuple(self.state_bytes_of_rank[src] for src in self.sources[self.rank])
-        return MemoryPlan(state_bytes, self.config.factor, staging, durable,
+        return MemoryPlan(state_bytes, self.factor, staging, durable,
                           local_slots=len(self.engine.slots), replica_sizes=replica_sizes)
 
     def _expected_state_bytes(self) -> int:
@@ -424,7 +426,7 @@ class Replicator:
         return peers
 
     def _exchange(self, meta: SnapshotMeta, slot: SnapshotSlot) -> tuple[int, int, int]:
-        if self.config.factor == 1:
+        if self.factor == 1:
             return 0, 0, 0  # no replicas: the commit count alone keeps ranks in step
         meta_bytes = meta.to_bytes()
         peers = self._announce(meta, len(meta_bytes))
@@ -503,7 +505,7 @@ class Replicator:
             channel=self.channel, engine=self.engine, replicas=self.replicas,
             serve=self.replica_buffer, rank=self.rank, target_step=target_step,
             providers=providers, holders=self.holders, sources=self.sources[self.rank],
-            factor=self.config.factor, chunk_bytes=self.config.chunk_bytes)
+            factor=self.factor, chunk_bytes=self.config.chunk_bytes)
 
     def rolled_back(self, target_step: int) -> None:
         """The state went back to ``target_step`` (from memory or a durable checkpoint):

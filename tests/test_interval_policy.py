@@ -198,3 +198,28 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
     ai.after_step(2 * auto_interval.AGREE_EVERY, True, None)
     assert settings.replication.every_n_steps == 12
     assert "another rank" in " ".join(log.events[-1]["reasons"])
+
+
+def test_a_replicator_with_more_copies_than_processes_follows_the_interval_in_force():
+    """``every_n_steps: auto`` changes the interval in the job's settings object while
+    training runs. A one-process job at the default k=2 keeps one copy; the replicator
+    used to write that into a copy of the settings, so the interval chosen by auto never
+    reached it (it snapshotted at the probe's interval for the whole run)."""
+    import torch
+    import torch.distributed as dist
+
+    from replication.config import ReplicationConfig
+    from replication.replicator import Replicator
+    from replication.state import TrainingState
+
+    settings = ReplicationConfig(factor=2, timeout_s=10, every_n_steps=8)
+    state = TrainingState()
+    state.register("model", torch.nn.Linear(4, 4))
+    rep = Replicator(state, store=dist.HashStore(), rank=0, world_size=1, node=0,
+                     config=settings)
+    try:
+        assert rep.factor == 1 and rep.config is settings
+        settings.every_n_steps = 5  # what AutoInterval does when the agreement lands
+        assert rep.maybe_snapshot(5) is not None and rep.maybe_snapshot(8) is None
+    finally:
+        rep.close()
