@@ -60,10 +60,12 @@ def _wait_training(tmp: Path) -> None:
     time.sleep(1.0)
 
 
-def _signal_and_wait(procs: list[subprocess.Popen], send, timeout: float
+def _signal_and_wait(procs: list[subprocess.Popen], wait, send, timeout: float
                      ) -> tuple[list[str], float]:
-    """``send()`` the signal, then collect every node's output; SIGKILL what is left."""
+    """``wait()`` for the moment, ``send()`` the signal, then collect every node's
+    output; SIGKILL whatever is left, whatever happened."""
     try:
+        wait()
         send()
         t0 = time.monotonic()
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -76,20 +78,12 @@ def _signal_and_wait(procs: list[subprocess.Popen], send, timeout: float
 
 @pytest.mark.parametrize("moment", ["importing", "starting", "training"])
 def test_ctrl_c_stops_every_node_with_one_line(tmp_path, moment):
+    waits = {"importing": lambda: time.sleep(0.4), "starting": lambda: time.sleep(2.5),
+             "training": lambda: _wait_training(tmp_path)}
     procs = _start(tmp_path)
-    try:
-        if moment == "importing":
-            time.sleep(0.4)
-        elif moment == "starting":
-            time.sleep(2.5)
-        else:
-            _wait_training(tmp_path)
-    except BaseException:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-        raise
     outs, took = _signal_and_wait(
-        procs, lambda: [os.killpg(p.pid, signal.SIGINT) for p in procs], timeout=30)
+        procs, waits[moment], lambda: [os.killpg(p.pid, signal.SIGINT) for p in procs],
+        timeout=30)
     assert took < 5.0, f"stopping took {took:.1f}s"
     assert [p.returncode for p in procs] == [130, 130], outs
     for node, out in enumerate(outs):
@@ -110,14 +104,8 @@ def test_sigterm_to_the_store_hosts_agent_mid_training_stops_the_job(tmp_path):
     workers train: node 0 hosts the store, so the job ends on both nodes, each with
     one line and no traceback, within seconds (exit 143 on node 0)."""
     procs = _start(tmp_path)
-    try:
-        _wait_training(tmp_path)
-    except BaseException:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-        raise
-    outs, took = _signal_and_wait(procs, lambda: procs[0].send_signal(signal.SIGTERM),
-                                  timeout=60)
+    outs, took = _signal_and_wait(procs, lambda: _wait_training(tmp_path),
+                                  lambda: procs[0].send_signal(signal.SIGTERM), timeout=60)
     assert took < 15.0, f"stopping took {took:.1f}s"
     assert procs[0].returncode == 128 + signal.SIGTERM, outs[0][-3000:]
     assert procs[1].returncode not in (0, None), outs[1][-3000:]
