@@ -144,6 +144,7 @@ class Checkpointless:
         self._dp_checked: set[int] = set()  # models checked this generation (all_reduce_gradients)
         self._dp_entries: set[str] = set()  # state entries declared data-parallel (drift watch)
         self._transfer_parts: dict[str, float] = {}
+        self._bytes_already_held = 0  # by the last handover's reseed: not sent
         self._repeats = user_errors.RepeatGuard()
         self._aborted_mark = CollectiveAborted.raised
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
@@ -511,6 +512,7 @@ class Checkpointless:
                 "newcomers": plan.newcomers, "providers": plan.providers,
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
                 "transfer_parts": self._transfer_parts,
+                "bytes_already_held": self._bytes_already_held,
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
                 "local_collectives": elastic_controller.controller().local_collectives,
                 "recovered_at": t_done}
@@ -572,7 +574,7 @@ class Checkpointless:
         ``transfer_parts``). Returns the bytes moved."""
         assert self.replicator is not None
         result = self.replicator.recover(plan.target_step, plan.providers)
-        self._transfer_parts = result.parts
+        self._transfer_parts, self._bytes_already_held = result.parts, result.skipped
         return result.moved
 
     def _fatal(self, reason: str) -> None:

@@ -12,7 +12,7 @@ buffer that is already written.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -48,6 +48,31 @@ def segment_digest(seg_bytes: torch.Tensor, seg: SegmentLayout, skeleton: bytes)
     hasher.update(seg_bytes)
     hasher.update(segment_trailer(seg, skeleton))
     return hasher.hexdigest()
+
+
+def verify_as_they_land(
+    pending: Sequence[tuple[str, Sequence[tuple[object, torch.Tensor]]]],
+    meta: SnapshotMeta, wait: Callable[[object], None], what: str,
+) -> None:
+    """Check segments arriving over the network, hashing each chunk as soon as it lands.
+
+    ``pending`` holds, per segment name, its chunks in buffer order, each paired with
+    the work that fills it; ``wait(work)`` blocks until that chunk has arrived. The
+    hashing overlaps the rest of the transfer, so verifying costs no pass of its own.
+    A segment whose bytes, skeleton or layout differ from ``meta``'s checksum raises
+    :class:`checksum.ChecksumMismatch` naming ``what`` and the segment.
+    """
+    for name, chunks in pending:
+        hasher = checksum.Hasher()
+        for work, chunk in chunks:
+            wait(work)
+            hasher.update(chunk)
+        hasher.update(segment_trailer(meta.layout.segment(name), meta.skeletons[name]))
+        if hasher.hexdigest() != meta.digests.get(name):
+            raise checksum.ChecksumMismatch(
+                f"{what} at step {meta.step}: segment {name!r} arrived with checksum "
+                f"{hasher.hexdigest()}, sender recorded {meta.digests.get(name)}"
+            )
 
 
 def copy_and_digest(

@@ -9,17 +9,22 @@ Call sequence of one recovery, on every rank of the new generation (all of them,
 this order, with nothing else in flight on the side channel):
 
 1. providers post the replica they hold of each newcomer (:func:`post_state`);
-2. each newcomer receives its state straight into a snapshot slot and verifies it;
+2. each newcomer receives its state straight into a snapshot slot, verifying it as it
+   lands;
 3. every rank restores its own snapshot of the target step (a survivor's stays in its
    slots; a newcomer's was just adopted) and protects it and its replicas;
 4. with ``replication.factor > 1``, replicas a holder lacks are reseeded
    (:func:`reseed_replicas`);
 5. a barrier on the side channel: the generation starts together.
 
-A provider sends a fixed-size header (metadata length, buffer length), the snapshot
-metadata, then the buffer in chunks that are all posted at once, so the transfer
-streams instead of blocking per tensor. The receiver checks every segment's checksum
-before a byte of it reaches the model.
+A sender posts a fixed-size header (metadata length, buffer length), the snapshot
+metadata, then each segment's bytes in chunks, all at once, so the transfer streams
+instead of blocking per tensor. It reads them where they lie (a provider's replica
+slot, and its own snapshot for the segments the replica shares with it), so serving
+costs no copy. The receiver hashes each chunk as it lands and checks every segment's
+checksum before a byte of it reaches the model. A reseed skips the segments the
+receiver's own snapshot already holds (equal fingerprints: pure data parallelism),
+which the receiver then records as shared, as a replication round does.
 """
 
 from __future__ import annotations
@@ -32,15 +37,21 @@ from typing import Any
 import torch
 
 from replication import tags
-from replication.digest_copy import verify_segments
+from replication.digest_copy import verify_as_they_land
+from replication.layout import SegmentLayout, SnapshotLayout
 from replication.replicas import ReplicaStore
 from replication.snapshot import SnapshotEngine
 from replication.snapshot_meta import SnapshotMeta
+from replication.tags import MAX_SEGMENTS
 from replication.transport import SideChannel
 
 _HEADER_TAG = tags.HANDOVER_HEADER
 _META_TAG = tags.HANDOVER_META
 _DATA_TAG = tags.HANDOVER_DATA
+
+
+SegmentSource = Callable[[SegmentLayout], torch.Tensor]
+"""A segment's bytes (a contiguous uint8 view of ``seg.nbytes``), wherever they lie."""
 
 
 @dataclass
@@ -49,6 +60,7 @@ class HandoverResult:
     event's ``bytes_transferred`` and ``transfer_parts``)."""
 
     moved: int = 0
+    skipped: int = 0  # bytes a reseed left out: the receiver's own snapshot has them
     parts: dict[str, float] = field(default_factory=dict)
 
 
@@ -67,22 +79,26 @@ class _Laps:
 
 def hand_over(
     *, channel: SideChannel, engine: SnapshotEngine, replicas: ReplicaStore,
-    serve: Callable[[int, int], tuple[SnapshotMeta, torch.Tensor]],
+    serve: Callable[[int, int], tuple[SnapshotMeta, SegmentSource]],
     rank: int, target_step: int, providers: Mapping[int, int],
     holders: Sequence[Sequence[int]], sources: Sequence[int], factor: int, chunk_bytes: int,
+    dedupe: bool = True,
 ) -> HandoverResult:
     """Run steps 1-5 of the module docstring on this rank; returns what moved.
 
     ``providers`` maps each newcomer rank to the rank that sends it its state;
-    ``serve(src, step)`` returns the verified replica of ``src`` held here.
+    ``serve(src, step)`` returns the metadata of the replica of ``src`` held here and
+    where each of its segments lies. ``dedupe`` lets a reseed skip what the receiver
+    already holds (``replication.dedupe``).
     """
     out = HandoverResult()
     laps = _Laps()
+    sends: list = []
     for dst, provider in sorted(providers.items()):
         if provider == rank:
-            meta, buf = serve(dst, target_step)
-            out.moved += send_state(channel, dst, meta, buf, chunk_bytes)
-            laps.lap("send_s")
+            meta, source = serve(dst, target_step)
+            sends += post_state(channel, dst, meta, source, chunk_bytes)
+            out.moved += meta.layout.nbytes
     if rank in providers:
         # Received straight into a snapshot slot: from now on this rank holds its own
         # snapshot of the target step, without capturing its state again.
@@ -93,21 +109,23 @@ def hand_over(
             slot = engine.incoming_slot(meta.layout)
             return slot.buffer
 
-        meta, buf = receive_state(channel, providers[rank], chunk_bytes, into=into_slot)
+        meta, _ = receive_state(channel, providers[rank], chunk_bytes, into=into_slot)
+        engine.adopt(slot, meta, verified=True)  # every segment checked as it landed
+        out.moved += meta.layout.nbytes
         laps.lap("receive_s")
-        engine.adopt(slot, meta)  # checks every segment's checksum
-        out.moved += buf.numel()
-        laps.lap("verify_s")
-    engine.restore(target_step, verify=rank not in providers)
+    engine.restore(target_step, verify=rank not in providers)  # while sends stream
     laps.lap("restore_s")
+    if sends:
+        channel.wait(sends, "state transfer")
+        laps.lap("send_s")
     engine.protect(target_step)
     replicas.protect(target_step)
     if factor > 1:
         own = engine.slot_for(target_step)
-        own_meta = own.meta()
-        out.moved += reseed_replicas(
-            channel, rank, holders, sources, target_step,
-            (own_meta, own.buffer[: own_meta.layout.nbytes]), replicas, chunk_bytes)
+        moved, out.skipped = reseed_replicas(
+            channel, rank, holders, sources, target_step, own.meta(),
+            lambda seg: own.segment_bytes(seg.name), replicas, chunk_bytes, dedupe=dedupe)
+        out.moved += moved
         laps.lap("reseed_s")
     channel.barrier()
     laps.lap("barrier_s")
@@ -115,35 +133,48 @@ def hand_over(
     return out
 
 
-def send_state(
-    channel: SideChannel, dst: int, meta: SnapshotMeta, buffer: torch.Tensor, chunk_bytes: int
-) -> int:
-    """Send a verified snapshot to ``dst``; returns the bytes sent."""
-    channel.wait(post_state(channel, dst, meta, buffer, chunk_bytes),
-                 f"state transfer to rank {dst}")
-    return buffer.numel()
+def _pieces(
+    layout: SnapshotLayout, source: SegmentSource, chunk_bytes: int, skip: frozenset[str]
+) -> list[tuple[str, list[torch.Tensor]]]:
+    """Per segment sent (in layout order, ``skip`` left out), its bytes cut into chunks:
+    sender and receiver cut the same way, so piece ``i`` on one side is piece ``i`` on
+    the other. A segment without bytes has no chunks (its skeleton travels in the
+    metadata), but is listed so its checksum is still checked."""
+    out = []
+    for seg in layout.segments:
+        if seg.name in skip:
+            continue
+        view = source(seg) if seg.nbytes else None
+        out.append((seg.name, [] if view is None else
+                    [view[i : i + chunk_bytes] for i in range(0, seg.nbytes, chunk_bytes)]))
+    return out
 
 
 def post_state(
-    channel: SideChannel, dst: int, meta: SnapshotMeta, buffer: torch.Tensor, chunk_bytes: int
+    channel: SideChannel, dst: int, meta: SnapshotMeta, source: SegmentSource,
+    chunk_bytes: int, skip: frozenset[str] = frozenset(),
 ) -> list:
-    """Post the sends of a snapshot to ``dst`` without waiting; returns the works."""
+    """Post the sends of a snapshot to ``dst`` without waiting; returns the works.
+    Segments named in ``skip`` are not sent (the receiver must skip the same)."""
     raw = meta.to_bytes()
-    header = torch.tensor([len(raw), buffer.numel()], dtype=torch.int64)
+    header = torch.tensor([len(raw), meta.layout.nbytes], dtype=torch.int64)
     meta_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     works = channel.post_send(header, dst, _HEADER_TAG, 1 << 30)
     works += channel.post_send(meta_t, dst, _META_TAG, len(raw))
-    works += channel.post_send(buffer, dst, _DATA_TAG, chunk_bytes)
+    chunks = [c for _, cs in _pieces(meta.layout, source, chunk_bytes, skip) for c in cs]
+    works += channel.post_send_pieces(chunks, dst, _DATA_TAG)
     return works
 
 
 def receive_state(
     channel: SideChannel, src: int, chunk_bytes: int,
-    into: Callable[[SnapshotMeta], torch.Tensor] | None = None,
-) -> tuple[SnapshotMeta, torch.Tensor]:
-    """Receive a snapshot from ``src``. ``into(meta)``, if given, returns the buffer to
-    receive into (a snapshot slot) and the caller verifies it; otherwise a new buffer
-    is allocated and every segment's checksum is verified here."""
+    into: Callable[[SnapshotMeta], torch.Tensor],
+    skip: Callable[[SnapshotMeta], frozenset[str]] = lambda meta: frozenset(),
+) -> tuple[SnapshotMeta, frozenset[str]]:
+    """Receive a snapshot from ``src`` into the buffer ``into(meta)`` returns (a slot,
+    laid out as ``meta.layout``), checking every received segment's checksum as its
+    chunks land. ``skip(meta)`` names the segments the sender leaves out; returns the
+    metadata and those names."""
     header = torch.empty(2, dtype=torch.int64)
     channel.wait(channel.post_recv(header, src, _HEADER_TAG, 1 << 30), "state header")
     meta_len, nbytes = (int(x) for x in header.tolist())
@@ -153,41 +184,55 @@ def receive_state(
     if meta.layout.nbytes != nbytes:
         raise ValueError(f"state from rank {src}: layout says {meta.layout.nbytes} bytes, "
                          f"header says {nbytes}")
-    buffer = torch.empty(nbytes, dtype=torch.uint8) if into is None else into(meta)[:nbytes]
-    channel.wait(channel.post_recv(buffer, src, _DATA_TAG, chunk_bytes), "state data")
-    if into is None:
-        verify_segments(buffer, meta)
-    return meta, buffer
+    buffer = into(meta)[:nbytes]
+    skipped = skip(meta)
+    pieces = _pieces(meta.layout, lambda seg: buffer[seg.offset : seg.offset + seg.nbytes],
+                     chunk_bytes, skipped)
+    works = iter(channel.post_recv_pieces([c for _, cs in pieces for c in cs], src, _DATA_TAG))
+    pending = [(name, [next(works) for _ in cs]) for name, cs in pieces]
+    what = f"state from rank {src}"
+    verify_as_they_land(pending, meta, lambda w: channel.wait([w], what), what)
+    return meta, skipped
 
 
 def reseed_replicas(
     channel: SideChannel, rank: int, holders: Sequence[Sequence[int]],
-    sources: Sequence[int], step: int, own: tuple[SnapshotMeta, torch.Tensor],
-    replicas: ReplicaStore, chunk_bytes: int,
-) -> int:
-    """Give every holder that lacks it a full replica of ``step``; returns bytes moved.
+    sources: Sequence[int], step: int, own_meta: SnapshotMeta, own_source: SegmentSource,
+    replicas: ReplicaStore, chunk_bytes: int, *, dedupe: bool = True,
+) -> tuple[int, int]:
+    """Give every holder that lacks it a replica of ``step``; returns the bytes this
+    rank moved, and those it left out (sent or received) because the receiver held them.
 
     A newcomer starts with no replicas, and a takeover can move the placement. Without
     this, the states such a holder should keep a copy of exist once (in their own rank)
     until the next round commits, and a second failure in that window is unrecoverable:
     a rank killed in the first step after a recovery whose replica holder was the first
-    victim stopped the job. Every rank learns who holds what from one allgather, so all
-    of them agree on the sends; each source posts its own snapshot of ``step`` to each
-    holder missing it, then receives what it lacks itself (sends first: no deadlock).
-    Runs inside a recovery, before the generation's barrier, with nothing else in flight
-    on ``channel``, so the tags of :func:`send_state` are free.
+    victim stopped the job. Every rank learns who holds what, and the fingerprints of
+    every rank's own snapshot of ``step``, from one allgather, so all of them agree on
+    the sends; each source posts its own snapshot to each holder missing it, leaving out
+    the segments that holder's own snapshot already has, then receives what it lacks
+    itself (sends first: no deadlock). Runs inside a recovery, before the generation's
+    barrier, with nothing else in flight on ``channel``, so the handover's tags are free.
     """
     world = len(holders)
-    mine = torch.tensor([int(replicas.holds(src, step)) for src in range(world)],
-                        dtype=torch.int64)
-    held = [t.tolist() for t in channel.allgather(mine)]
-    meta, buffer = own
+    fps = own_meta.fingerprints() if dedupe else []
+    if len(fps) > MAX_SEGMENTS:
+        raise ValueError(f"{len(fps)} state entries; at most {MAX_SEGMENTS} are supported")
+    mine = torch.zeros(world + 1 + MAX_SEGMENTS, dtype=torch.int64)
+    mine[:world] = torch.tensor([int(replicas.holds(src, step)) for src in range(world)])
+    mine[world] = len(fps)
+    mine[world + 1 : world + 1 + len(fps)] = torch.tensor(fps, dtype=torch.int64)
+    rows = [t.tolist() for t in channel.allgather(mine)]
+    held = [r[:world] for r in rows]
+    has = [set(r[world + 1 : world + 1 + r[world]]) for r in rows]
     works: list = []
-    moved = 0
+    moved = skipped = 0
     for h in holders[rank]:
         if h != rank and not held[h][rank]:
-            works += post_state(channel, h, meta, buffer, chunk_bytes)
-            moved += buffer.numel()
+            skip = _shared_with(own_meta, has[h])
+            works += post_state(channel, h, own_meta, own_source, chunk_bytes, skip)
+            moved += own_meta.layout.nbytes - _nbytes(own_meta, skip)
+            skipped += _nbytes(own_meta, skip)
     for src in sources:
         if src == rank or held[rank][src]:
             continue
@@ -199,12 +244,23 @@ def reseed_replicas(
             assert slot.buffer is not None
             return slot.buffer
 
-        got, buf = receive_state(channel, src, chunk_bytes, into=into)
+        got, shared = receive_state(channel, src, chunk_bytes, into=into,
+                                    skip=lambda m: _shared_with(m, has[rank]))
         if got.step != step:
             raise ValueError(f"rank {src} sent its state of step {got.step}, expected {step}")
-        verify_segments(buf, got)
         assert slot is not None
-        replicas.adopt(slot, got)
-        moved += buf.numel()
+        replicas.adopt(slot, got, shared=shared)
+        moved += got.layout.nbytes - _nbytes(got, shared)
+        skipped += _nbytes(got, shared)
     channel.wait(works, "replica reseed")
-    return moved
+    return moved, skipped
+
+
+def _nbytes(meta: SnapshotMeta, names: frozenset[str]) -> int:
+    return sum(seg.nbytes for seg in meta.layout.segments if seg.name in names)
+
+
+def _shared_with(meta: SnapshotMeta, fingerprints: set[int]) -> frozenset[str]:
+    """The segments of ``meta`` whose fingerprint is among ``fingerprints``."""
+    return frozenset(seg.name for i, seg in enumerate(meta.layout.segments)
+                     if seg.nbytes and meta.fingerprint(i) in fingerprints)

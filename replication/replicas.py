@@ -54,7 +54,7 @@ class ReplicaStore:
         slot.step, slot.meta, slot.shared = -1, None, frozenset()
         if slot.buffer is None or slot.buffer.numel() != nbytes:
             slot.buffer = None
-            slot.buffer = allocate_host(nbytes, pin=self.pin_memory)
+            slot.buffer = allocate_host(nbytes, pin=self.pin_memory, zeroed=False)
         return slot
 
     def protect(self, step: int) -> None:
@@ -72,10 +72,13 @@ class ReplicaStore:
         """Whether a complete replica of ``src`` at ``step`` is held here."""
         return any(s.step == step and s.complete for s in self._slots.get(src, []))
 
-    def adopt(self, slot: ReplicaSlot, meta: SnapshotMeta) -> None:
+    def adopt(
+        self, slot: ReplicaSlot, meta: SnapshotMeta, *, shared: frozenset[str] = frozenset()
+    ) -> None:
         """Mark ``slot`` (from :meth:`writable`, its bytes received and verified) as
-        holding ``meta``'s step in full, with no segment shared with the local snapshot."""
-        slot.meta, slot.shared, slot.step = meta, frozenset(), meta.step
+        holding ``meta``'s step; segments named in ``shared`` were not received and are
+        served from the local snapshot of the same step."""
+        slot.meta, slot.shared, slot.step = meta, shared, meta.step
 
     def held_steps(self) -> dict[int, list[int]]:
         """Source rank -> the steps of its complete replicas held here."""

@@ -36,19 +36,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from replication import tags
-from replication.checksum import ChecksumMismatch, Hasher
+from replication.checksum import ChecksumMismatch
 from replication.commit import COMMITTED_KEY, CommitLedger, committed_step
 from replication.commit_record import CommittedRecorder
 from replication.commit_tree import SideChannelTransport, TreeCommit
 from replication.config import MemoryConfig, ReplicationConfig
-from replication.digest_copy import segment_trailer, verify_segments
+from replication.digest_copy import verify_as_they_land, verify_segments
 from replication.drift import DriftWatch
 from replication.errors import CheckpointlessError
-from replication.handover import HandoverResult, hand_over
-from replication.layout import SnapshotLayout, flatten
+from replication.handover import HandoverResult, SegmentSource, hand_over
+from replication.layout import SegmentLayout, SnapshotLayout, flatten
 from replication.memory import (
     MemoryPlan,
     check_budget,
@@ -129,16 +128,6 @@ class RoundStats:
     bytes_received: int
     segments_skipped: int
     overlapped_bytes: int = 0  # copied by the round for an overlapped capture
-
-
-def _fingerprint(meta: SnapshotMeta, i: int) -> int:
-    """A 63-bit id of segment ``i``'s name, layout and contents."""
-    seg = meta.layout.segments[i]
-    h = xxhash.xxh64()
-    h.update(seg.name.encode())
-    h.update(repr(seg.tensors).encode())
-    h.update(meta.digests[seg.name].encode())
-    return h.intdigest() & ((1 << 63) - 1)
 
 
 _segment_tag = tags.segment
@@ -410,7 +399,7 @@ class Replicator:
         ann = torch.zeros(_ANN_HEADER + MAX_SEGMENTS, dtype=torch.int64)
         ann[0], ann[1], ann[2] = meta.step, meta_len, n
         for i in range(n):
-            ann[_ANN_HEADER + i] = _fingerprint(meta, i)
+            ann[_ANN_HEADER + i] = meta.fingerprint(i)
         peers = []
         ordered: list[list[int]] = []
         for t in self.channel.allgather(ann):
@@ -440,7 +429,7 @@ class Replicator:
             for i, seg in enumerate(meta.layout.segments):
                 # Tensor-less segments travel entirely inside the metadata.
                 if seg.nbytes == 0 or (
-                    self.config.dedupe and _fingerprint(meta, i) in peers[h][2]
+                    self.config.dedupe and meta.fingerprint(i) in peers[h][2]
                 ):
                     skipped += 1
                     continue
@@ -466,7 +455,7 @@ class Replicator:
             if seg.nbytes == 0:
                 pending.append((seg.name, []))  # only its skeleton and layout to verify
                 continue
-            if self.config.dedupe and _fingerprint(meta, i) in my_fps:
+            if self.config.dedupe and meta.fingerprint(i) in my_fps:
                 shared.add(seg.name)
                 continue
             buf = rslot.buffer[seg.offset : seg.offset + seg.nbytes]
@@ -475,19 +464,9 @@ class Replicator:
             )
             pending.append((seg.name, chunks))
             received += seg.nbytes
-        # Verify each chunk as soon as it lands, overlapping hashing with the transfer.
-        for name, chunks in pending:
-            hasher = Hasher()
-            for work, chunk in chunks:
-                self.channel.wait([work], f"replica of rank {src}")
-                hasher.update(chunk)
-            # The digest also covers the skeleton and layout: see digest_copy.segment_digest.
-            hasher.update(segment_trailer(meta.layout.segment(name), meta.skeletons[name]))
-            if hasher.hexdigest() != meta.digests.get(name):
-                raise ChecksumMismatch(
-                    f"replica of rank {src} at step {meta.step}: segment {name!r} arrived "
-                    f"with checksum {hasher.hexdigest()}, sender recorded {meta.digests.get(name)}"
-                )
+        # Each chunk is hashed as soon as it lands, overlapping hashing with the transfer.
+        what = f"replica of rank {src}"
+        verify_as_they_land(pending, meta, lambda w: self.channel.wait([w], what), what)
         rslot.meta, rslot.shared, rslot.step = meta, frozenset(shared), meta.step
         return received
 
@@ -503,9 +482,10 @@ class Replicator:
         own state if it is a newcomer, restore, reseed, meet the others."""
         return hand_over(
             channel=self.channel, engine=self.engine, replicas=self.replicas,
-            serve=self.replica_buffer, rank=self.rank, target_step=target_step,
+            serve=self.replica_source, rank=self.rank, target_step=target_step,
             providers=providers, holders=self.holders, sources=self.sources[self.rank],
-            factor=self.factor, chunk_bytes=self.config.chunk_bytes)
+            factor=self.factor, chunk_bytes=self.config.chunk_bytes,
+            dedupe=self.config.dedupe)
 
     def rolled_back(self, target_step: int) -> None:
         """The state went back to ``target_step`` (from memory or a durable checkpoint):
@@ -535,6 +515,24 @@ class Replicator:
         self.engine.unhold(slot, wait)
 
     # -- reading replicas ------------------------------------------------------------
+    def replica_source(self, src: int, step: int) -> tuple[SnapshotMeta, SegmentSource]:
+        """The metadata of the replica of ``src`` at ``step`` held here, and where each of
+        its segments lies (its slot, or this rank's own snapshot for shared segments),
+        for sending without a copy. Not verified here: the receiver checks every
+        segment as it lands. The slots stay put while the recovery runs (no round)."""
+        rslot = self.replicas.get(src, step)
+        assert rslot.meta is not None and rslot.buffer is not None
+        own = self.engine.slot_for(step) if rslot.shared else None
+        buffer, shared = rslot.buffer, rslot.shared
+
+        def source(seg: SegmentLayout) -> torch.Tensor:
+            if seg.name in shared:
+                assert own is not None
+                return own.segment_bytes(seg.name)
+            return buffer[seg.offset : seg.offset + seg.nbytes]
+
+        return rslot.meta, source
+
     def replica_buffer(self, src: int, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
         """The full snapshot bytes of ``src`` at ``step`` as held here, verified.
 

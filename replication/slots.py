@@ -62,9 +62,17 @@ class SnapshotSlot:
         return SnapshotMeta(self.step, self.layout, dict(self.skeletons), dict(self.digests))
 
 
-def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
-    """A byte buffer on the host, page-locked when a GPU will copy into it."""
-    # Zeroed once, so alignment padding is deterministic and equal states hash equal.
+def allocate_host(nbytes: int, *, pin: bool, zeroed: bool = True) -> torch.Tensor:
+    """A byte buffer on the host, page-locked when a GPU will copy into it.
+
+    Zeroed (one pass over every page) unless ``zeroed`` is false: a snapshot slot's
+    alignment padding must be deterministic so that equal states hash equal, but a
+    replica slot is only ever written by what arrives (padding included) and read by
+    segment, so it skips the pass, and the pages of segments it never receives (shared
+    with the local snapshot) are never touched at all.
+    """
+    if not zeroed:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 

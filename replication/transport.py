@@ -110,9 +110,18 @@ class SideChannel:
 
     def post_send(self, buf: torch.Tensor, dst: int, tag: int, chunk_bytes: int) -> list:
         """Post the chunked send of a contiguous byte buffer; returns the works."""
-        return [
-            self.pg.send([c], dst, tag + i) for i, c in enumerate(_chunks(buf, chunk_bytes))
-        ]
+        return self.post_send_pieces(_chunks(buf, chunk_bytes), dst, tag)
+
+    def post_send_pieces(self, pieces: Sequence[torch.Tensor], dst: int, tag: int) -> list:
+        """Post the sends of one message made of several contiguous byte tensors (piece
+        ``i`` with tag ``tag + i``); the receiver posts pieces of the same sizes."""
+        return [self.pg.send([c], dst, tag + i) for i, c in enumerate(pieces)]
+
+    def post_recv_pieces(
+        self, pieces: Sequence[torch.Tensor], src: int, tag: int
+    ) -> list[tuple[object, torch.Tensor]]:
+        """The receiving side of :meth:`post_send_pieces`: each work with its piece."""
+        return [(self.pg.recv([c], src, tag + i), c) for i, c in enumerate(pieces)]
 
     def post_recv(self, buf: torch.Tensor, src: int, tag: int, chunk_bytes: int) -> list:
         """Post the chunked receive into a contiguous byte buffer; returns the works."""
@@ -123,10 +132,7 @@ class SideChannel:
     ) -> list[tuple[object, torch.Tensor]]:
         """Like :meth:`post_recv`, pairing each work with its chunk, so a caller can
         process (e.g. checksum) chunks in order while later ones are still arriving."""
-        return [
-            (self.pg.recv([c], src, tag + i), c)
-            for i, c in enumerate(_chunks(buf, chunk_bytes))
-        ]
+        return self.post_recv_pieces(_chunks(buf, chunk_bytes), src, tag)
 
     def wait(self, works: Sequence, what: str = "transfer") -> None:
         self._wait(works, what)
