@@ -12,6 +12,7 @@ only orchestrates.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,9 @@ class DurableTier:
         self.ticket: Any = None  # the last save handed to the writer
         self.persisted_step = -1
         self.bytes_read = 0  # by the last restore
+        # Seconds the last restore from storage took in this process (agree, read, load,
+        # snapshot): the part of a restart from durable storage the run can measure.
+        self.restore_s = 0.0
 
     def _make_writer(self, job_id: str) -> Any:
         p = self.settings.persistence
@@ -137,7 +141,7 @@ class DurableTier:
         restored state is snapshotted and replicated at once (as step 0 is at start),
         so the next failure can again be recovered from memory.
         """
-        committed_before = self._committed_step()
+        committed_before, t0 = self._committed_step(), time.monotonic()
         got = agree_and_read(self.store, gen, self.rank, self.world_size,
                              self.settings.persistence,
                              lambda: protocol.current_generation(self.store))
@@ -150,6 +154,7 @@ class DurableTier:
         replicator.snapshot(choice.step)
         replicator.wait()
         self.persisted_step = choice.step
+        self.restore_s = time.monotonic() - t0
         lost = max(0, committed_before - choice.step) if committed_before >= 0 else 0
         self.log.emit(event, rank=self.rank, gen=gen, step=choice.step, path=choice.url,
                       reason=reason, skipped=choice.skipped, committed_before=committed_before,

@@ -111,7 +111,7 @@ class Checkpointless:
                 self.state.register(name, obj)
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
-        self.auto_interval = AutoInterval.from_settings(  # replication.every_n_steps: auto
+        self.auto_interval = AutoInterval.from_settings(  # every_n_steps: auto (either tier)
             self.settings, self.rank, self.log, self.state, lambda t: self.wait(
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)))
         # Store values that fail the job-key check are ignored and reported here.
@@ -351,7 +351,8 @@ class Checkpointless:
             self.log.emit(Event.STEP, step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
                           replicated=dataclasses.asdict(rnd) if rnd is not None else None)
         if self.auto_interval is not None:
-            self.auto_interval.after_step(step, stall is not None, self.replicator.last_round)
+            self.auto_interval.after_step(step, stall is not None, self.replicator.last_round,
+                                          self.durable)
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.
