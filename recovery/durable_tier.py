@@ -69,11 +69,12 @@ class DurableTier:
         return bool(self.writer is not None and self.writer.zero_copy)
 
     # -- persisting ------------------------------------------------------------------
-    def persist_committed(self, replicator: Replicator) -> None:
+    def persist_committed(self, replicator: Replicator, final: bool = False) -> None:
         """Hand the newest committed snapshot to the writer (never waits on I/O).
 
         ``maybe_snapshot`` has just waited for the previous round, so its step is
-        committed and its slot protected until the capture after next.
+        committed and its slot protected until the capture after next. ``final``: the
+        job's last committed step, persisted whether or not the schedule has it due.
         """
         if self.writer is None:
             return
@@ -82,7 +83,7 @@ class DurableTier:
         # worth the helper's start-up time, which would make the first real save skip.
         if last is None or last.step <= max(self.persisted_step, 0):
             return
-        if not self.writer.should_persist(last.step):
+        if not (final or self.writer.should_persist(last.step)):
             return
         slot = replicator.own_snapshot(last.step)
         assert slot.buffer is not None
@@ -100,12 +101,14 @@ class DurableTier:
         ticket.released.add_done_callback(lambda _f: replicator.unhold_slot(slot, wait))
 
     def finish(self, replicator: Replicator) -> None:
-        """The final step, now committed, is always persisted: a save still in flight
-        finishes first, or the writer would skip it as "cannot keep up"."""
+        """The final step, now committed, is always persisted, due or not (with
+        ``every_n_steps: auto`` the last step is seldom a multiple of the interval, and
+        a job resuming the run would repeat the steps since the last save): a save still
+        in flight finishes first, or the writer would skip it as "cannot keep up"."""
         if self.writer is None:
             return
         self.writer.flush(self.settings.replication.timeout_s)
-        self.persist_committed(replicator)
+        self.persist_committed(replicator, final=True)
         self.writer.close()
 
     # -- restoring -------------------------------------------------------------------

@@ -195,13 +195,15 @@ class Checkpointless:
 
     # -- public API --------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any], num_steps: int) -> None:
-        """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably."""
+        """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably. The
+        last step is snapshotted whatever the interval: the final state is committed,
+        and persisted with a durable tier (:meth:`DurableTier.finish`)."""
         step = self.start_step
         while step <= num_steps:
             try:
                 self._before_step(step)
                 train_step(step)
-                self._after_step(step)
+                self._after_step(step, True if step == num_steps else None)
                 step += 1
             except Exception as exc:  # any failure of this step, local or remote
                 step = self.recover(exc) + 1  # re-raises what cannot be recovered
