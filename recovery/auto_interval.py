@@ -110,6 +110,10 @@ class AutoInterval:
             self.settings.replication.every_n_steps = int(sd["every_n_steps"])
         if self.saves is not None and "persist_every_n_steps" in sd:
             self.settings.persistence.every_n_steps = int(sd["persist_every_n_steps"])
+        if self.saves is not None:  # a multiple of the snapshot interval in force, always
+            n, m = int(self.settings.persistence.every_n_steps), int(
+                self.settings.replication.every_n_steps)
+            self.settings.persistence.every_n_steps = -(-n // m) * m
         self._t_prev = None  # a rollback: the next step's time includes the recovery
 
     # -- after every step --------------------------------------------------------------

@@ -233,6 +233,8 @@ def test_adapter_rounds_the_save_interval_when_the_snapshot_interval_moves(monke
     assert ai.state_dict() == {"every_n_steps": 12, "persist_every_n_steps": 24}
     ai.load_state_dict({"every_n_steps": 8})  # a checkpoint of a job with one auto tier
     assert (settings.replication.every_n_steps, settings.persistence.every_n_steps) == (8, 24)
+    ai.load_state_dict({"every_n_steps": 10})  # saves stay on committed snapshots
+    assert (settings.replication.every_n_steps, settings.persistence.every_n_steps) == (10, 30)
 
 
 def test_without_a_path_persistence_auto_resolves_to_off() -> None:
