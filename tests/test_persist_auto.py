@@ -11,6 +11,8 @@ gloo on CPU, the durable writer's helper processes writing to a local directory)
   holds no snapshot interval: A's was fixed), keeps the save interval a multiple of the
   snapshot interval through both tiers' choices, and ends with a verified checkpoint of
   its final state.
+* Rank 1 SIGKILLed after the first choice: its replacement receives the save interval
+  with its state, and both ranks go on saving the same steps.
 * Bad input for the new keys stops ``checkpointless run`` with one line naming the key.
 
 Steps are padded (``--step-sleep``) so that a save (100-200 ms here) fits well inside
@@ -31,7 +33,14 @@ import torch
 from examples.gpt import CharData, TinyGPT, lr_lambda, make_corpus, state_digest
 from replication.durable import latest_checkpoint, list_checkpoints, load, read_history, verify
 from replication.state import TrainingState
-from tests.recovery_harness import REPO, assert_succeeded, clean_env, run_job
+from tests.recovery_harness import (
+    REPO,
+    assert_recovered,
+    assert_succeeded,
+    clean_env,
+    recovery_events,
+    run_job,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,6 +161,30 @@ def test_a_resumed_job_with_both_tiers_on_auto_keeps_saves_on_snapshots(job_a, t
     newest = latest_checkpoint(str(ckpt))
     assert newest is not None and verify(newest).ok
     _assert_loads_exactly(ckpt, job.finals()[0], STEPS_B)
+
+
+def test_a_replacement_persists_the_same_steps_as_the_survivors(tmp_path):
+    """Rank 1 SIGKILLed after the first choice: its replacement receives the save
+    interval with its state (not the probe's), so both ranks go on saving the same
+    steps, and the checkpoints after the recovery are complete."""
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path / "run", spares=1, overrides=_overrides(
+        ckpt, "replication.every_n_steps=8", "recovery.fault=1:100:backward"),
+        script_args=("--steps", str(STEPS_A), *ARGS), timeout_s=150)
+    assert_succeeded(job)
+    assert_recovered(job, every_n_steps=8)
+    (target,) = {int(e["target_step"]) for e in recovery_events(job)}
+    assert any(e["newcomer"] for e in recovery_events(job))
+    changes = _tier(job, "persistence")
+    assert changes and min(changes) < target, (changes, target)  # chosen before the fault
+    # The new generation's replicator has no round yet: target + 8 is the first step it
+    # commits, handed to the writers at target + 16.
+    due = {s for s in range(target + 8, STEPS_A, 8)
+           if s % _in_force(changes, s + 8, PROBE) == 0} | {STEPS_A}
+    saved = _saved(ckpt, target)
+    assert saved[0] == saved[1] == sorted(due), (saved, changes, target)
+    ckpts = [c for c in list_checkpoints(str(ckpt)) if c.step > target]
+    assert [c.step for c in ckpts] == sorted(due) and all(verify(c).ok for c in ckpts)
 
 
 @pytest.mark.parametrize(("override", "says"), [
