@@ -145,7 +145,7 @@ class AutoInterval:
         ticket = durable.ticket
         if ticket is not None and ticket is not self._seen:
             self._seen = ticket
-            self._tickets.append(ticket)
+            self._tickets = [*self._tickets[-7:], ticket]  # every ticket ends; bounded anyway
         for t in [t for t in self._tickets if t.done.done()]:
             self._tickets.remove(t)
             status = t.done.result().status
