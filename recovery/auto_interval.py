@@ -1,19 +1,34 @@
-"""``replication.every_n_steps: auto`` in a running job: the policy, fed and agreed.
+"""``every_n_steps: auto`` in a running job: the policies, fed and agreed.
 
 :mod:`recovery.interval_policy` decides; this adapter gives it what the runtime sees
-and makes every rank apply the same interval, across recoveries too:
+and makes every rank apply the same intervals, across recoveries too. It serves two
+tiers, each when its recipe says ``auto``:
 
-- the interval in force lives in the config object the replicator and the Lightning
-  strategy read (``settings.replication.every_n_steps``, an int again once resolved),
-  so the existing cadence (``step % every_n_steps``) applies it unchanged;
+- ``replication.every_n_steps`` (ADR 0025): :class:`~recovery.interval_policy.
+  IntervalPolicy`, fed every step's wall time and whether it was snapshotted;
+- ``persistence.every_n_steps`` (ADR 0027): :class:`~recovery.interval_policy.
+  SavePolicy`, fed every step's wall time, whether it was snapshotted, which durable
+  save was in flight when it began, and every save's length (its ticket's
+  ``busy_s``) once it ends. The save interval is always a multiple of the snapshot
+  interval in force: saves are only ever of committed snapshots
+  (:meth:`~recovery.durable_tier.DurableTier.persist_committed`).
+
+For both:
+
+- the interval in force lives in the config object the replicator, the durable writer
+  and the Lightning strategy read (``settings.replication.every_n_steps``,
+  ``settings.persistence.every_n_steps``, ints again once resolved), so the existing
+  cadences (``step % every_n_steps``) apply it unchanged;
 - it is also part of the training state (registered as ``_auto_interval``): a rollback
-  restores the committed step's interval on every survivor, and a replacement receives
-  it with the rest of its state, so no rank snapshots steps the others skip;
-- choices are agreed at global steps every rank reaches (multiples of ``agree_every``):
+  restores the committed step's intervals on every survivor, and a replacement receives
+  them with the rest of its state, so no rank snapshots, or persists, steps the others
+  skip (a durable checkpoint is complete only when every rank wrote its step);
+- choices are agreed at global steps every rank reaches (multiples of ``AGREE_EVERY``):
   each rank proposes from its own measurements, the largest proposal wins (the rank
-  that pays most decides, so none exceeds the budget) with one 8-byte all-reduce;
-- each change is logged (an ``auto_interval`` event and, on rank 0, a console line)
-  with the policy's reasons.
+  that pays most decides, so none exceeds the budget), with one all-reduce (MAX) of a
+  two-element tensor: the snapshot interval and the save interval (0: no proposal);
+- each change is logged (an ``auto_interval`` event naming its ``tier`` and, on rank 0,
+  a console line) with the policy's reasons.
 """
 
 from __future__ import annotations
@@ -27,10 +42,13 @@ from typing import Any
 import torch
 
 from recovery.events import Event
-from recovery.interval_policy import Choice, IntervalPolicy
+from recovery.interval_policy import Choice, IntervalPolicy, SavePolicy
 
 AGREE_EVERY = 64
 """Global steps between agreements (the probe's interval divides it)."""
+
+REPLICATION, PERSISTENCE = "replication", "persistence"
+"""The ``tier`` of an ``auto_interval`` event."""
 
 
 class AutoInterval:
@@ -40,63 +58,155 @@ class AutoInterval:
                  agree: Callable[[torch.Tensor], None]) -> None:
         """``agree(t)``: all-reduce ``t`` with MAX over the training group, waiting."""
         self.settings, self.rank, self.log, self.agree = settings, rank, log, agree
-        self.policy = IntervalPolicy(budget=settings.replication.max_overhead,
-                                     mtbf_s=settings.recovery.mtbf_s)
-        settings.replication.every_n_steps = self.policy.probe_every
+        rep, per = settings.replication, settings.persistence
+        self.policy: IntervalPolicy | None = None  # the snapshot interval's
+        if rep.every_n_steps == "auto":
+            self.policy = IntervalPolicy(budget=rep.max_overhead,
+                                         mtbf_s=settings.recovery.mtbf_s)
+            rep.every_n_steps = self.policy.probe_every
+        self.saves: SavePolicy | None = None  # the durable save interval's
+        if per.every_n_steps == "auto":
+            if per.path:
+                mtbf_s, note = durable_mtbf(settings)
+                self.saves = SavePolicy(budget=per.max_overhead, mtbf_s=mtbf_s, mtbf_note=note)
+                n = int(rep.every_n_steps)
+                per.every_n_steps = -(-self.saves.probe_every // n) * n
+            else:  # no durable tier (the recipe refuses this; a script's own settings may not)
+                per.every_n_steps = 0
         self._t_prev: float | None = None
         self._last_step = -1
+        self._seen: Any = None  # the newest durable save ticket seen
+        self._tickets: list[Any] = []  # saves whose end is not counted yet
+        self._saving: int | None = None  # the step being saved when the next step began
 
     @classmethod
     def from_settings(cls, settings: Any, rank: int, log: Any, state: Any,
                       agree: Callable[[torch.Tensor], None]) -> AutoInterval | None:
-        """An adapter registered in ``state`` when the recipe says ``auto``, else None
-        (a fixed number). Its entry is exempt from the replay check: a replayed step
-        may measure other costs and agree on another interval, by design."""
-        if settings.replication.every_n_steps != "auto":
+        """An adapter registered in ``state`` when the recipe says ``auto`` for either
+        tier, else None (fixed numbers). Its entry is exempt from the replay check (a
+        replayed step may measure other costs and agree on another interval, by design)
+        and optional (a durable checkpoint of a job without it still resumes)."""
+        if "auto" not in (settings.replication.every_n_steps,
+                          settings.persistence.every_n_steps):
             return None
         adapter = cls(settings, rank, log, agree)
         state.register("_auto_interval", adapter)
         state.exempt_from_replay_check("_auto_interval")
+        state.mark_optional("_auto_interval")
         return adapter
 
-    # -- part of the training state: the interval in force ------------------------------
+    # -- part of the training state: the intervals in force -----------------------------
     def state_dict(self) -> dict[str, int]:
-        return {"every_n_steps": int(self.settings.replication.every_n_steps)}
+        sd = {}
+        if self.policy is not None:
+            sd["every_n_steps"] = int(self.settings.replication.every_n_steps)
+        if self.saves is not None:
+            sd["persist_every_n_steps"] = int(self.settings.persistence.every_n_steps)
+        return sd
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.settings.replication.every_n_steps = int(sd["every_n_steps"])
+        # A key is missing when the snapshot comes from a job whose tier was not auto.
+        if self.policy is not None and "every_n_steps" in sd:
+            self.settings.replication.every_n_steps = int(sd["every_n_steps"])
+        if self.saves is not None and "persist_every_n_steps" in sd:
+            self.settings.persistence.every_n_steps = int(sd["persist_every_n_steps"])
+        if self.saves is not None:  # a multiple of the snapshot interval in force, always
+            n, m = int(self.settings.persistence.every_n_steps), int(
+                self.settings.replication.every_n_steps)
+            self.settings.persistence.every_n_steps = -(-n // m) * m
         self._t_prev = None  # a rollback: the next step's time includes the recovery
 
     # -- after every step --------------------------------------------------------------
-    def after_step(self, step: int, snapshotted: bool, last_round: Any) -> None:
+    def after_step(self, step: int, snapshotted: bool, last_round: Any,
+                   durable: Any = None) -> None:
+        """``durable``: the runtime's :class:`~recovery.durable_tier.DurableTier`,
+        called after it was handed this step's committed snapshot."""
         now = time.perf_counter()
         if self._t_prev is not None and step == self._last_step + 1:
-            rnd = (last_round.seal_s + last_round.transfer_s + last_round.commit_s
-                   if snapshotted and last_round is not None else None)
-            self.policy.observe(now - self._t_prev, snapshotted, rnd)
+            if self.policy is not None:
+                rnd = (last_round.seal_s + last_round.transfer_s + last_round.commit_s
+                       if snapshotted and last_round is not None else None)
+                self.policy.observe(now - self._t_prev, snapshotted, rnd)
+            if self.saves is not None:
+                self.saves.observe(now - self._t_prev, snapshotted, self._saving)
         self._t_prev, self._last_step = now, step
+        if self.saves is not None and durable is not None:
+            self._follow_saves(durable)
         if step % AGREE_EVERY:
             return
-        local = self.policy.propose() if self.policy.probed else None
-        proposal = torch.tensor([local.every_n_steps if local is not None else 0])
+        self._agree(step, durable)
+
+    def _follow_saves(self, durable: Any) -> None:
+        """Count the saves that ended (their length, skips), note the one in flight."""
+        assert self.saves is not None
+        writer = durable.writer
+        if writer is None:
+            return
+        ticket = durable.ticket
+        if ticket is not None and ticket is not self._seen:
+            self._seen = ticket
+            self._tickets = [*self._tickets[-7:], ticket]  # every ticket ends; bounded anyway
+        for t in [t for t in self._tickets if t.done.done()]:
+            self._tickets.remove(t)
+            status = t.done.result().status
+            self.saves.skipped += int(status == "skipped")
+            self.saves.save_done(t.step, t.busy_s if status == "ok" else None)
+        self._saving = writer.busy_step
+
+    def _agree(self, step: int, durable: Any) -> None:
+        rep_local = (self.policy.propose()
+                     if self.policy is not None and self.policy.probed else None)
+        if self.saves is not None and durable is not None:
+            self.saves.recovery_s = durable.restore_s
+        save_local = self.saves.propose() if self.saves is not None else None
+        proposal = torch.tensor([c.every_n_steps if c is not None else 0
+                                 for c in (rep_local, save_local)])
         self.agree(proposal)
-        n = int(proposal.item())
-        if n <= 0:
-            return
-        # Decide from the interval in force (the same on every rank, a replacement's
+        n_rep, n_save = (int(x) for x in proposal.tolist())
+        # Decide from the intervals in force (the same on every rank, a replacement's
         # and a rolled-back rank's included), not from this rank's own history.
-        self.policy.current = _in_force(self.policy.current,
-                                        int(self.settings.replication.every_n_steps))
-        choice = self.policy.adopt(n, local)
-        if choice is None:
-            return
-        self.settings.replication.every_n_steps = choice.every_n_steps
-        self.log.emit(Event.AUTO_INTERVAL, rank=self.rank, step=step,
+        rep = self.settings.replication
+        if self.policy is not None and n_rep > 0:
+            self.policy.current = _in_force(self.policy.current, int(rep.every_n_steps))
+            choice = self.policy.adopt(n_rep, rep_local)
+            if choice is not None:
+                rep.every_n_steps = choice.every_n_steps
+                self._say(step, REPLICATION, choice)
+        if self.saves is not None:  # after the snapshot interval: a multiple of it
+            per = self.settings.persistence
+            self.saves.current = _in_force(self.saves.current, int(per.every_n_steps))
+            choice = self.saves.adopt(n_save, save_local, int(rep.every_n_steps))
+            if choice is not None:
+                per.every_n_steps = choice.every_n_steps
+                self._say(step, PERSISTENCE, choice)
+
+    def _say(self, step: int, tier: str, choice: Choice) -> None:
+        extra: dict[str, Any] = {}
+        if tier == PERSISTENCE and self.saves is not None:
+            extra = {"save_s": round(self.saves.save_s or 0.0, 4),
+                     "save_cost_s": round(self.saves.save_cost_s or 0.0, 5),
+                     "skipped": self.saves.skipped}
+        self.log.emit(Event.AUTO_INTERVAL, rank=self.rank, step=step, tier=tier,
                       every_n_steps=choice.every_n_steps, overhead=choice.overhead,
-                      reasons=list(choice.reasons))
+                      reasons=list(choice.reasons), **extra)
         if self.rank == 0:
-            print(f"checkpointless: snapshot interval at step {step}: {choice.text}",
+            what = "snapshot interval" if tier == REPLICATION else "durable save interval"
+            print(f"checkpointless: {what} at step {step}: {choice.text}",
                   file=sys.stderr, flush=True)
+
+
+def durable_mtbf(settings: Any) -> tuple[float | None, str]:
+    """The MTBF the durable save interval is chosen for, and a note on where it came
+    from: ``persistence.mtbf_s`` (the time between losses memory cannot recover), else
+    ``recovery.mtbf_s`` (between any failures: a lower bound of it, so Daly's interval
+    for it is a lower bound of the right one, never past it), else None."""
+    own, any_failure = settings.persistence.mtbf_s, settings.recovery.mtbf_s
+    if own:
+        return own, " between losses memory cannot recover"
+    if any_failure:
+        return any_failure, (" (recovery.mtbf_s: any failure, a lower bound of the time "
+                             "between losses memory cannot recover)")
+    return None, ""
 
 
 def _in_force(cur: Choice | None, n: int) -> Choice:

@@ -29,7 +29,8 @@ class RecoveryConfig:
         metadata={
             "help": "the job's mean time between failures, if known: with "
             "replication.every_n_steps: auto, the interval is Daly's optimum for it when "
-            "that is longer than the overhead budget's shortest",
+            "that is longer than the overhead budget's shortest (persistence.every_n_steps: "
+            "auto takes it as a lower bound of persistence.mtbf_s when that is unset)",
             "min": 1.0,
         },
     )

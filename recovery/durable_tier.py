@@ -12,6 +12,7 @@ only orchestrates.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,9 @@ class DurableTier:
         self.ticket: Any = None  # the last save handed to the writer
         self.persisted_step = -1
         self.bytes_read = 0  # by the last restore
+        # Seconds the last restore from storage took in this process (agree, read, load,
+        # snapshot): the part of a restart from durable storage the run can measure.
+        self.restore_s = 0.0
 
     def _make_writer(self, job_id: str) -> Any:
         p = self.settings.persistence
@@ -65,11 +69,12 @@ class DurableTier:
         return bool(self.writer is not None and self.writer.zero_copy)
 
     # -- persisting ------------------------------------------------------------------
-    def persist_committed(self, replicator: Replicator) -> None:
+    def persist_committed(self, replicator: Replicator, final: bool = False) -> None:
         """Hand the newest committed snapshot to the writer (never waits on I/O).
 
         ``maybe_snapshot`` has just waited for the previous round, so its step is
-        committed and its slot protected until the capture after next.
+        committed and its slot protected until the capture after next. ``final``: the
+        job's last committed step, persisted whether or not the schedule has it due.
         """
         if self.writer is None:
             return
@@ -78,7 +83,7 @@ class DurableTier:
         # worth the helper's start-up time, which would make the first real save skip.
         if last is None or last.step <= max(self.persisted_step, 0):
             return
-        if not self.writer.should_persist(last.step):
+        if not (final or self.writer.should_persist(last.step)):
             return
         slot = replicator.own_snapshot(last.step)
         assert slot.buffer is not None
@@ -96,12 +101,14 @@ class DurableTier:
         ticket.released.add_done_callback(lambda _f: replicator.unhold_slot(slot, wait))
 
     def finish(self, replicator: Replicator) -> None:
-        """The final step, now committed, is always persisted: a save still in flight
-        finishes first, or the writer would skip it as "cannot keep up"."""
+        """The final step, now committed, is always persisted, due or not (with
+        ``every_n_steps: auto`` the last step is seldom a multiple of the interval, and
+        a job resuming the run would repeat the steps since the last save): a save still
+        in flight finishes first, or the writer would skip it as "cannot keep up"."""
         if self.writer is None:
             return
         self.writer.flush(self.settings.replication.timeout_s)
-        self.persist_committed(replicator)
+        self.persist_committed(replicator, final=True)
         self.writer.close()
 
     # -- restoring -------------------------------------------------------------------
@@ -137,7 +144,7 @@ class DurableTier:
         restored state is snapshotted and replicated at once (as step 0 is at start),
         so the next failure can again be recovered from memory.
         """
-        committed_before = self._committed_step()
+        committed_before, t0 = self._committed_step(), time.monotonic()
         got = agree_and_read(self.store, gen, self.rank, self.world_size,
                              self.settings.persistence,
                              lambda: protocol.current_generation(self.store))
@@ -150,6 +157,7 @@ class DurableTier:
         replicator.snapshot(choice.step)
         replicator.wait()
         self.persisted_step = choice.step
+        self.restore_s = time.monotonic() - t0
         lost = max(0, committed_before - choice.step) if committed_before >= 0 else 0
         self.log.emit(event, rank=self.rank, gen=gen, step=choice.step, path=choice.url,
                       reason=reason, skipped=choice.skipped, committed_before=committed_before,

@@ -47,7 +47,7 @@ class Event(StrEnum):
     # -- a worker (recovery/runtime.py) ---------------------------------------------------
     START = "start"
     STEP = "step"
-    AUTO_INTERVAL = "auto_interval"  # every_n_steps: auto chose an interval (and why)
+    AUTO_INTERVAL = "auto_interval"  # every_n_steps: auto chose an interval (tier, why)
     FAILURE_DETECTED = "failure_detected"
     RECOVERY = "recovery"
     RECOVERY_INTERRUPTED = "recovery_interrupted"

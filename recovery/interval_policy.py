@@ -24,6 +24,15 @@ snapshots plus rework; it is used when it is longer than ``n_budget``. Without a
 the shortest interval within the budget is taken: least rework for what the user
 agreed to pay. A round that lasts longer than the interval makes the next snapshot
 wait for it, so the interval is at least the round's length in steps.
+
+The durable tier (``persistence.every_n_steps: auto``, ADR 0027) takes the same rule
+with its own inputs, learnt by :class:`SavePolicy`: ``c`` is what a save's helper
+process adds to the steps it overlaps (host contention, measured against steps at the
+same distance from a snapshot with no save in flight), the budget is
+``persistence.max_overhead`` (default 0.01), ``M`` is the time between losses that
+memory cannot recover, and the interval is at least as long as the slowest recent save
+(the writer skips a save due while the previous one runs) and a multiple of the
+snapshot interval (only committed snapshots are persisted).
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from dataclasses import dataclass, field
 
 DEFAULT_BUDGET = 0.02
 """``replication.max_overhead``'s default: 2 % of step time for snapshots."""
+
+DEFAULT_SAVE_BUDGET = 0.01
+"""``persistence.max_overhead``'s default: 1 % of step time for durable saves."""
 
 MAX_INTERVAL = 10_000
 """The longest interval chosen: beyond it the in-memory copy is rarely fresh enough to
@@ -78,6 +90,8 @@ def choose_interval(
     recovery_s: float = 0.0,
     mtbf_s: float | None = None,
     max_interval: int = MAX_INTERVAL,
+    kind: str = "snapshot",
+    mtbf_note: str = "",
 ) -> Choice:
     """The interval in steps for the measured costs (see the module docstring).
 
@@ -85,40 +99,56 @@ def choose_interval(
     one snapshot adds (stall plus what its round takes from the step; negative
     measurements count as 0); ``round_s``: how long a round runs in the background;
     ``recovery_s``: the time a recovery takes (detect, restore, rejoin); ``mtbf_s``:
-    mean time between failures of the job, or None when unknown."""
+    mean time between failures of the job, or None when unknown. ``kind="save"``
+    words the reasons for a durable save (``snapshot_cost_s``: what one save adds,
+    ``round_s``: how long one lasts); ``mtbf_note`` says where the MTBF came from."""
     if step_s <= 0:
         raise ValueError(f"step_s must be > 0, got {step_s}")
     if budget <= 0:
         raise ValueError(f"budget must be > 0, got {budget}")
+    if kind not in _WORDS:
+        raise ValueError(f"kind must be one of {sorted(_WORDS)}, got {kind!r}")
+    what, lasts, waits = _WORDS[kind]
     c = max(snapshot_cost_s, 0.0)
     reasons: list[str] = []
     n_budget = max(1, math.ceil(c / (budget * step_s) - 1e-9))
-    reasons.append(f"a snapshot adds {c * 1e3:.1f} ms to a {step_s * 1e3:.1f} ms step, so "
+    reasons.append(f"{what} adds {c * 1e3:.1f} ms to a {step_s * 1e3:.1f} ms step, so "
                    f"{n_budget} step(s) keep it within the {budget:.1%} budget")
     n_round = max(1, math.ceil(round_s / step_s - 1e-9)) if round_s > 0 else 1
     n = max(n_budget, n_round)
     if n_round > n_budget:
-        reasons.append(f"a round lasts {round_s * 1e3:.1f} ms ({n_round} steps); a shorter "
-                       "interval would make the next snapshot wait for it")
+        reasons.append(f"{lasts} {round_s * 1e3:.1f} ms ({n_round} steps); a shorter "
+                       f"interval would {waits}")
     n_daly: int | None = None
     if mtbf_s is not None and mtbf_s > 0:
         tau = daly_interval_s(c, mtbf_s, recovery_s)
         n_daly = max(1, round(tau / step_s))
         if n_daly > n:
             rec = f" and recovery of {recovery_s:.1f} s" if recovery_s > 0 else ""
-            reasons.append(f"with an MTBF of {mtbf_s:.0f} s{rec}, Daly's optimum is "
-                           f"{tau:.1f} s of work ({n_daly} steps), which loses less time "
+            reasons.append(f"with an MTBF of {mtbf_s:.0f} s{mtbf_note}{rec}, Daly's optimum "
+                           f"is {tau:.1f} s of work ({n_daly} steps), which loses less time "
                            "in all than the budget's shortest interval")
             n = n_daly
         else:
-            reasons.append(f"Daly's optimum for an MTBF of {mtbf_s:.0f} s ({n_daly} steps) "
-                           "would exceed the budget; the budget wins")
+            reasons.append(f"Daly's optimum for an MTBF of {mtbf_s:.0f} s{mtbf_note} "
+                           f"({n_daly} steps) would exceed the budget; the budget wins")
     else:
         reasons.append("no MTBF given: the shortest interval within the budget (least rework)")
     if n > max_interval:
         reasons.append(f"capped at {max_interval} steps")
         n = max_interval
     return Choice(n, c / (n * step_s), tuple(reasons), n_budget, n_daly, n_round)
+
+
+_WORDS = {
+    "snapshot": ("a snapshot", "a round lasts",
+                 "make the next snapshot wait for it"),
+    "save": ("a durable save", "the slowest recent save lasted",
+             "make the writer skip saves (a checkpoint is complete only when every rank "
+             "wrote its step)"),
+}
+"""How the reasons name the cost, the background work's length, and what a shorter
+interval would do, per kind."""
 
 
 @dataclass
@@ -246,9 +276,159 @@ class IntervalPolicy:
             reasons = (*reasons, f"another rank measured a higher cost: every {n} steps "
                        "(the largest proposal) was agreed")
         base = self.plain_step_s or 0.0
-        cost = self.snapshot_cost_s or 0.0
+        cost = max(self.snapshot_cost_s or 0.0, 0.0)  # noise can make it negative
         self.current = Choice(n, cost / (n * base) if base > 0 else 0.0, tuple(reasons),
                               local.n_budget if local else n, local.n_daly if local else None,
+                              local.n_round if local else 1)
+        return self.current
+
+
+@dataclass
+class SavePolicy:
+    """Chooses ``persistence.every_n_steps`` from the run's own measurements.
+
+    A durable save runs in a helper process: the loop never waits for it, but on a host
+    whose cores also train, the helper's serialising and writing take CPU time and
+    memory bandwidth from the steps it overlaps. Fed one step at a time:
+
+    1. :meth:`observe` after every step, with its wall time, whether a snapshot was
+       taken at its end, and the step of the save that was in flight when it began
+       (None: none);
+    2. :meth:`save_done` when a save ends, with how long the writer was busy with it
+       (None: it did not complete, so it is no sample);
+    3. :meth:`propose` this rank's interval (not yet a multiple of the snapshot
+       interval); the caller agrees on the largest over ranks (a durable checkpoint is
+       complete only when every rank wrote its step, so every rank must persist the same
+       steps) and :meth:`adopt` puts it in force, rounded up to a multiple of the
+       snapshot interval then in force (saves are only ever of committed snapshots).
+
+    A save's added time is the sum, over the steps it overlaps, of each step's time
+    minus the median time of steps at the same distance from the last snapshot (0: the
+    snapshot step itself, then 1, 2, up to ``settle_steps`` for all later ones) that ran
+    with no save in flight. A save starts right after a snapshot, so it overlaps the
+    steps a round's background work lands in: comparing them with plain steps would
+    charge the round to the save. Estimates are the median of the last ``window``
+    samples; a save's length is the longest of the last ``durations`` (a save due while
+    the previous one runs is skipped, so this errs long).
+    """
+
+    budget: float = DEFAULT_SAVE_BUDGET
+    mtbf_s: float | None = None
+    mtbf_note: str = ""
+    recovery_s: float = 0.0
+    probe_every: int = 16
+    settle_steps: int = 3
+    window: int = 16
+    durations: int = 4
+    hysteresis: float = 0.25
+    max_interval: int = MAX_INTERVAL
+    current: Choice | None = None
+    skipped: int = 0
+    """Saves this rank's writer skipped (still busy with the previous one)."""
+    _base: dict = field(default_factory=dict)  # phase -> step times with no save in flight
+    _costs: deque = field(default_factory=lambda: deque(maxlen=64))
+    _lengths: deque = field(default_factory=lambda: deque(maxlen=64))
+    _excess: dict = field(default_factory=dict)  # save's step -> [added s, every step known]
+    _since_snapshot: int = 10**9
+
+    def observe(self, step_s: float, snapshotted: bool, saving: int | None) -> None:
+        """Record one step (see the class docstring)."""
+        phase = 0 if snapshotted else min(self._since_snapshot + 1, self.settle_steps)
+        self._since_snapshot = 0 if snapshotted else self._since_snapshot + 1
+        if saving is None:
+            self._base.setdefault(phase, deque(maxlen=64)).append(step_s)
+            return
+        base = self._baseline(phase)
+        acc = self._excess.setdefault(saving, [0.0, True])
+        if base is None:
+            acc[1] = False  # nothing to compare this step with: the save is no sample
+        else:
+            acc[0] += step_s - base
+        while len(self._excess) > 4:  # saves never reported done (a recovery dropped them)
+            del self._excess[min(self._excess)]
+
+    def save_done(self, step: int, duration_s: float | None) -> None:
+        """The save of ``step`` ended after ``duration_s`` (None: skipped or failed)."""
+        acc = self._excess.pop(step, None)
+        if duration_s is None:
+            return
+        self._lengths.append(duration_s)
+        if acc is None:  # no step began while it ran: it ended within its submitting step
+            self._costs.append(0.0)
+        elif acc[1]:
+            self._costs.append(acc[0])
+
+    def _baseline(self, phase: int) -> float | None:
+        """The median step time with no save in flight at ``phase`` (else at the nearest
+        phase measured: with a snapshot every step, every step is phase 0)."""
+        measured = sorted(self._base, key=lambda p: (abs(p - phase), p))
+        if not measured:
+            return None
+        return _median(list(self._base[measured[0]])[-self.window:])
+
+    @property
+    def plain_step_s(self) -> float | None:
+        return self._baseline(self.settle_steps)
+
+    @property
+    def save_cost_s(self) -> float | None:
+        return _median(list(self._costs)[-self.window:]) if self._costs else None
+
+    @property
+    def save_s(self) -> float | None:
+        """How long a save lasts: the longest of the last ``durations``."""
+        return max(list(self._lengths)[-self.durations:]) if self._lengths else None
+
+    @property
+    def every_n_steps(self) -> int | None:
+        return self.current.every_n_steps if self.current is not None else None
+
+    def propose(self) -> Choice | None:
+        """This rank's choice from its measurements so far (None: no save measured)."""
+        base, cost, length = self.plain_step_s, self.save_cost_s, self.save_s
+        if base is None or base <= 0 or cost is None or length is None:
+            return None
+        return choose_interval(step_s=base, snapshot_cost_s=cost, budget=self.budget,
+                               round_s=length, recovery_s=self.recovery_s,
+                               mtbf_s=self.mtbf_s, max_interval=self.max_interval,
+                               kind="save", mtbf_note=self.mtbf_note)
+
+    def adopt(self, every_n_steps: int, local: Choice | None = None,
+              multiple_of: int = 1) -> Choice | None:
+        """Put the agreed interval in force, rounded up to a multiple of the snapshot
+        interval ``multiple_of``; returns the new choice when it changed.
+
+        ``every_n_steps <= 0`` (nobody measured a save yet) only re-rounds the interval
+        in force when the snapshot interval changed under it. A longer interval is
+        always taken; a shorter one only when more than ``hysteresis`` shorter."""
+        m = max(1, int(multiple_of))
+        old = self.current
+        n = int(every_n_steps)
+        fits = old is not None and old.every_n_steps % m == 0
+        if n <= 0:
+            if old is None or fits:
+                return None
+            n, local = old.every_n_steps, None
+        target = min(-(-n // m) * m, max(m, self.max_interval // m * m))
+        if old is not None and fits and (target == old.every_n_steps or (
+                target < old.every_n_steps
+                and target >= old.every_n_steps * (1 - self.hysteresis))):
+            return None
+        reasons = list(local.reasons) if local is not None else []
+        if local is not None and local.every_n_steps != n:
+            reasons.append(f"another rank measured a higher cost: every {n} steps (the "
+                           "largest proposal) was agreed")
+        if local is None and old is not None:
+            reasons.append(f"the snapshot interval is now {m} steps, and only committed "
+                           f"snapshots are persisted: every {old.every_n_steps} steps "
+                           f"becomes every {target}")
+        elif target != n:
+            reasons.append(f"rounded up to {target} steps, a multiple of the snapshot "
+                           f"interval ({m} steps): only committed snapshots are persisted")
+        base, cost = self.plain_step_s or 0.0, max(self.save_cost_s or 0.0, 0.0)
+        self.current = Choice(target, cost / (target * base) if base > 0 else 0.0,
+                              tuple(reasons), local.n_budget if local else target,
+                              local.n_daly if local else None,
                               local.n_round if local else 1)
         return self.current
 

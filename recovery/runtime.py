@@ -111,7 +111,7 @@ class Checkpointless:
                 self.state.register(name, obj)
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
-        self.auto_interval = AutoInterval.from_settings(  # replication.every_n_steps: auto
+        self.auto_interval = AutoInterval.from_settings(  # every_n_steps: auto (either tier)
             self.settings, self.rank, self.log, self.state, lambda t: self.wait(
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)))
         # Store values that fail the job-key check are ignored and reported here.
@@ -196,13 +196,15 @@ class Checkpointless:
 
     # -- public API --------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any], num_steps: int) -> None:
-        """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably."""
+        """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably. The
+        last step is snapshotted whatever the interval: the final state is committed,
+        and persisted with a durable tier (:meth:`DurableTier.finish`)."""
         step = self.start_step
         while step <= num_steps:
             try:
                 self._before_step(step)
                 train_step(step)
-                self._after_step(step)
+                self._after_step(step, True if step == num_steps else None)
                 step += 1
             except Exception as exc:  # any failure of this step, local or remote
                 step = self.recover(exc) + 1  # re-raises what cannot be recovered
@@ -352,7 +354,8 @@ class Checkpointless:
             self.log.emit(Event.STEP, step=step, gen=self.gen, stall_s=stall, fence_s=fence_s,
                           replicated=dataclasses.asdict(rnd) if rnd is not None else None)
         if self.auto_interval is not None:
-            self.auto_interval.after_step(step, stall is not None, self.replicator.last_round)
+            self.auto_interval.after_step(step, stall is not None, self.replicator.last_round,
+                                          self.durable)
 
     def _mark_loaders_committed(self) -> None:
         """Let cached loaders evict batches older than the snapshot just taken.

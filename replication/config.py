@@ -119,8 +119,34 @@ class PersistenceConfig:
     path: str = field(
         default="", metadata={"help": "fsspec URL of durable checkpoints ('' disables)"}
     )
-    every_n_steps: int = field(
-        default=0, metadata={"help": "persist every N committed steps (0: off)", "min": 0}
+    every_n_steps: int = field(  # or the word "auto" (the recipe's "words")
+        default=0,
+        metadata={
+            "help": "persist every N committed steps (0: off); 'auto' measures what a save "
+            "adds to the steps it overlaps and how long it lasts, and picks N within "
+            "max_overhead (Young/Daly with mtbf_s), a multiple of replication.every_n_steps "
+            "(ADR 0027)",
+            "min": 0,
+            "words": ["auto"],
+        },
+    )
+    max_overhead: float = field(
+        default=0.01,
+        metadata={
+            "help": "with every_n_steps: auto, the fraction of step time durable saves may add",
+            "min": 0.0001,
+            "max": 1.0,
+        },
+    )
+    mtbf_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "with every_n_steps: auto, the mean time between losses that memory "
+            "cannot recover (every copy of some state gone, or the job stopped), if known: "
+            "the interval is Daly's optimum for it when longer than the budget's shortest "
+            "(unset: recovery.mtbf_s, a lower bound of it, if that is set)",
+            "min": 1.0,
+        },
     )
     interval_s: float = field(
         default=0.0, metadata={"help": "persist at most every S seconds (0: off)", "min": 0.0}

@@ -68,6 +68,7 @@ class TrainingState:
         self._restore_guards: list[Callable[[], None]] = []
         self._declared_optimizers: list[torch.optim.Optimizer] = []
         self.replay_exempt: frozenset[str] = frozenset()  # see exempt_from_replay_check
+        self.optional: frozenset[str] = frozenset()  # see mark_optional
         if rng:
             self.register("rng", RNGState())
 
@@ -88,6 +89,13 @@ class TrainingState:
         them with their first run (:mod:`replication.replay_check`): a framework's loop
         state holds wall-clock values (NeMo logs each step's timing as a metric)."""
         self.replay_exempt = self.replay_exempt | frozenset(names)
+
+    def mark_optional(self, *names: str) -> None:
+        """Entries a snapshot may lack: :meth:`restore` leaves them as they are instead
+        of refusing it. For the runtime's own bookkeeping (the intervals ``every_n_steps:
+        auto`` chose), so a job can resume a durable checkpoint written by a job that did
+        not keep it."""
+        self.optional = self.optional | frozenset(names)
 
     def add_restore_guard(self, guard: Callable[[], None]) -> None:
         """Call ``guard()`` before every :meth:`restore` writes the live objects.
@@ -133,12 +141,14 @@ class TrainingState:
         so modules copy them in place into their parameters and every other object
         receives private clones.
         """
-        missing = [n for n in self._entries if n not in states]
+        missing = [n for n in self._entries if n not in states and n not in self.optional]
         if missing:
             raise KeyError(f"snapshot has no state for registered entries {missing}")
         for guard in self._restore_guards:
             guard()
         for name, obj in self._entries.items():
+            if name not in states:  # an optional entry (see mark_optional)
+                continue
             if isinstance(obj, torch.nn.Module):
                 _restore_module(obj, states[name])
             else:

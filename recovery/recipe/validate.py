@@ -28,7 +28,7 @@ def _persistence_needs_path(cfg: CheckpointlessConfig, res: Resolution) -> list[
     problems = []
     path_key = _spec("persistence", "path").key
     for name, value in (("every_n_steps", p.every_n_steps), ("interval_s", p.interval_s)):
-        if value > 0:
+        if value == "auto" or value > 0:  # every_n_steps: auto asks for them too
             spec = _spec("persistence", name)
             msg = (
                 f"got {short_repr(value)}, which asks for durable checkpoints, "

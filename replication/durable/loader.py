@@ -219,7 +219,9 @@ def load(
     t0 = time.monotonic()
     info = open_checkpoint(where, storage_options)
     opts = storage_options if storage_options is not None else info.storage_options
-    names = state.names()
+    assert info.manifest is not None
+    held = set(info.manifest.rank(0).segments)  # every rank registers the same entries
+    names = [n for n in state.names() if n in held or n not in state.optional]
     sources = plan_sources(info, names, rank, world_size, source_rank)
     ranks = sorted(set(sources.values()))
     log.info("loading durable checkpoint %s (step %d) for rank %d from rank(s) %s",

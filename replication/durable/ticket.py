@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ class PersistTicket:
         self.step = step
         self.released: Future[None] = Future()
         self.done: Future[SaveResult] = Future()
+        # time.monotonic() when the writer took it on (after the helper's start-up, for a
+        # first save) and when it finished: how long the writer was busy with it.
+        self.submitted_at = time.monotonic()
+        self.finished_at: float | None = None
 
     def wait_released(self, timeout: float | None = None) -> bool:
         """Block until the writer is done with the submitted buffer; False on timeout."""
@@ -44,9 +49,15 @@ class PersistTicket:
         if not self.released.done():
             self.released.set_result(None)
 
+    @property
+    def busy_s(self) -> float | None:
+        """Seconds from the writer taking it on to its result (None: not done yet)."""
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
     def _finish(self, result: SaveResult) -> None:
         self._release()
         if not self.done.done():
+            self.finished_at = time.monotonic()
             self.done.set_result(result)
 
 

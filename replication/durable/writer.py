@@ -224,7 +224,7 @@ class DurableWriter:
             raise ValueError("submit needs the snapshot's contiguous host uint8 buffer "
                              f"of at least {meta.layout.nbytes} bytes")
         self._warm_up()
-        now = time.monotonic()
+        now = ticket.submitted_at = time.monotonic()
         if self.config.interval_s > 0:
             self._last_window = self._window(None)
         with self._cond:
@@ -379,6 +379,11 @@ class DurableWriter:
     @property
     def busy(self) -> bool:
         return self._busy_step is not None
+
+    @property
+    def busy_step(self) -> int | None:
+        """The step being saved now (None: the writer is idle)."""
+        return self._busy_step
 
     # -- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
