@@ -36,7 +36,6 @@ import contextlib
 import itertools
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -483,10 +482,10 @@ class Agent(NodeLossHandling):
                   f"{failures}{gens}{step_text}{durable}; run dir {self.run_dir}")
         self._linger(LINGER_S)
         if not persisted:
-            print(f"checkpointless: job done but NOTHING WAS PERSISTED: persistence.path "
-                  f"{self.cfg.persistence.path!r} holds no complete checkpoint (see the "
-                  "'DURABLE CHECKPOINT FAILED' lines above); exit status 1",
-                  file=sys.stderr, flush=True)
+            worker_output.say(
+                f"checkpointless: job done but NOTHING WAS PERSISTED: persistence.path "
+                f"{self.cfg.persistence.path!r} holds no complete checkpoint (see the "
+                "'DURABLE CHECKPOINT FAILED' lines above); exit status 1")
             return 1
         return 0
 
@@ -507,14 +506,14 @@ class Agent(NodeLossHandling):
             time.sleep(0.02)
         if self._signal is not None:
             return self._stop()
-        print(f"checkpointless: job stopped: {reason}", file=sys.stderr, flush=True)
+        worker_output.say(f"checkpointless: job stopped: {reason}")
         self._stop_local()
         self._emit(Event.AGENT_EXIT, signal=None, reason=reason)
         self._mark_finished()
         return contract.EXIT_INTERRUPTED
 
     def _failed(self, reason: str) -> int:
-        print(f"checkpointless: job failed: {reason}", file=sys.stderr, flush=True)
+        worker_output.say(f"checkpointless: job failed: {reason}")
         self._stop_local()
         self._emit(Event.JOB_FAILED, reason=reason)
         self._mark_finished()
@@ -591,5 +590,5 @@ class Agent(NodeLossHandling):
                   f"key ({fields['reason']})")
 
     def _log(self, message: str) -> None:
-        print(f"[checkpointless node {self.node}] {message}", file=sys.stderr, flush=True)
+        worker_output.say(f"[checkpointless node {self.node}] {message}")
 

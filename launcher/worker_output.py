@@ -89,6 +89,26 @@ class Relay:
                 pass  # our console is gone; the worker must not notice
 
 
+def say(text: str, dst: TextIO | None = None) -> None:
+    """Write one whole line of the agent's own to ``dst`` (stderr by default), with one
+    call under the relays' lock. A ``print`` makes two writes (the text, then the
+    newline) into the text layer, and a relay thread flushing that layer in between
+    (see :meth:`Relay._write`) once left the agent's "listening on ..." line without its
+    newline, so the next line (its SIGINT notice) ran on after it."""
+    dst = dst if dst is not None else sys.stderr
+    with _LOCK:
+        try:
+            dst.flush()
+            dst.buffer.write((text + "\n").encode())
+            dst.buffer.flush()
+        except (OSError, ValueError, AttributeError):
+            try:  # a stream without a byte layer (a test's StringIO)
+                dst.write(text + "\n")
+                dst.flush()
+            except (OSError, ValueError):
+                pass  # our console is gone
+
+
 def relay(proc: subprocess.Popen, label: str) -> Relay:
     """Start copying ``proc``'s piped output, prefixed with ``label``."""
     r = _BY_PID[proc.pid] = Relay(proc, label)
