@@ -155,7 +155,7 @@ def phases_for(kind: str, state_bytes: int, rates: tuple[float, ...], every_n: i
                 # 64 steps after), timed from step AUTO_WARM on, in whole intervals.
                 out.append({**base, "name": f"auto_{rate}", "every": -2,
                             "only": ["k2auto"],  # plain: its 0.5 GB/s phases are the reference
-                            "warm": AUTO_WARM, "steps": 448 if quick else 1024})
+                            "warm": AUTO_WARM, "steps": 384 if quick else 1024})
     return out
 
 
