@@ -72,7 +72,14 @@ BENCHES = {
                 "0018): the newcomer receives its source's state too, twice the bytes on "
                 "2 ranks. Quick run after it: 0.130 / 0.131 (DDP) / 0.148 (FSDP2) of a "
                 "restart (0.10 / 0.14 / 0.14 before), step time after 1.05x; the "
-                "survivor's transfer phase went from about 0.14 s to 0.19 s.",
+                "survivor's transfer phase went from about 0.14 s to 0.19 s. ADR 0028 "
+                "(2026-11-25): the provider sends its replica where it lies, and a reseed "
+                "skips what the holder's own snapshot has (pure DP: half the bytes). Full "
+                "mode went from 0.30 / 0.29 / 0.28 to 0.21 / 0.22 / 0.23 (the run below), "
+                "quick mode to 0.09 / 0.12 / 0.14. Full mode misses 0.15 on replay: a kill "
+                "in step K's backward replays K-1 and K (K-1's round ends about 0.1 s into "
+                "K, its copy niced, ADR 0013), 0.42 s of DDP's 0.98 s recovery and 0.78 s "
+                "of FSDP2's 1.20 s.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (issue 4; the writer on its own)",
@@ -136,9 +143,10 @@ BENCHES = {
                 "point of the sweep is in the JSON. `overhead_plain_auto_cpu`: a k=2 job "
                 "run with `replication.every_n_steps=auto` as a user runs it (the runtime "
                 "measures, agrees and applies the interval; 2 % budget; target budget + "
-                "0.01), timed over 4 or so whole intervals in quick mode: on this host it "
-                "moves by several points between runs (0.050 and -0.010 in two runs of "
-                "2026-11-25), so one quick run does not settle it. "
+                "0.01), run right after the plain job and timed over about 10 whole "
+                "intervals in quick mode (since 2026-11-25; with about 4 it moved by "
+                "several points between runs: 0.050 and -0.010). Two runs after the "
+                "change: -0.009 and 0.018. "
                 "`goodput_ratio_at_mtbf_3h` and `crossover_mtbf_s` (target null or > 24 "
                 "h) come from benchmarks/goodput_model.py fed with this run's device-step "
                 "costs and bench_recovery's recovery and restart times. "
