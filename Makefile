@@ -12,7 +12,7 @@ NEMO_STAMP := $(NEMO_VENV)/.setup-stamp
 # GPU users: see README.md ("Installing on GPU hosts").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup setup-nemo demo test test-nemo test-fast test-slow bench lint clean
+.PHONY: setup setup-nemo bytecode demo test test-nemo test-fast test-slow bench lint clean
 
 setup: $(STAMP)
 	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
@@ -43,11 +43,18 @@ demo: setup
 # 2-core CI host (serial: 25 minutes there). Every test tolerates the other file's load.
 test: setup setup-nemo
 	$(PY) -m ruff check .
+	$(MAKE) --no-print-directory bytecode
 	rm -f build/pytest-main.xml build/pytest-nemo.xml
 	$(PY) -m pytest -q -n 2 --dist loadfile --junitxml=build/pytest-main.xml
 	test -s build/pytest-main.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
 	$(NEMO_PY) -m pytest -q tests/nemo_toolkit --junitxml=build/pytest-nemo.xml
 	test -s build/pytest-nemo.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
+
+# The suite starts thousands of interpreters, each importing this repository. Where the
+# environment sets PYTHONDONTWRITEBYTECODE (as some CI images do) every one of them
+# compiled every module again; compiled once here, they only read the bytecode.
+bytecode:
+	$(PY) -m compileall -q -j 0 recovery replication launcher dataloader_cache benchmarks examples tests >/dev/null
 
 test-nemo: setup-nemo
 	$(NEMO_PY) -m pytest -q tests/nemo_toolkit

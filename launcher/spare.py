@@ -41,6 +41,7 @@ import threading
 import warnings
 from typing import NoReturn
 
+from launcher.sigint_hold import release_sigint
 from replication import contract
 
 SPARE_NICE = 10  # added to the nice value while warming up and waiting (see WarmUpPriority)
@@ -278,8 +279,9 @@ def run_assigned(assignment: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     argv = [str(a) for a in assignment["argv"]]
     sys.argv = argv
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as `python SCRIPT` has it
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as `python SCRIPT` has it
+        release_sigint()
         if assignment.get("module"):
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
             return
@@ -332,6 +334,7 @@ def _interrupted() -> NoReturn:
 def main() -> int:
     if sys.argv[1:2] == ["--run"]:
         try:
+            release_sigint()
             run_fresh(sys.argv[2:])
         except KeyboardInterrupt:  # during the bootstrap's imports, before the script
             _interrupted()
@@ -347,6 +350,7 @@ def serve() -> int:
     stop = threading.Event()
     incoming = _AssignmentWatch(priority)
     try:
+        release_sigint()
         install_worker_hooks()
         warm_up()
         threading.Thread(target=warm_job_modules, args=(stop,), daemon=True,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from launcher import worker_output
+from launcher.sigint_hold import sigint_held
 from launcher.zygote import Zygote, ZygoteError
 from recovery.events import Event
 from replication.forked import ForkedProcess
@@ -110,8 +111,9 @@ def exit_signal(returncode: int) -> str | None:
 
 
 def spawn(cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with sigint_held():
+        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     worker_output.relay(proc, f"rank{env.get('RANK', '?')}")  # prefixed lines on our console
     return proc
 
@@ -216,11 +218,12 @@ class SparePool:
                     self._emit(Event.SPARE_FORK_FAILED, reason=str(exc))
             elif time.monotonic() - self._zygote_since < self.zygote_wait_s:
                 return None
-        return subprocess.Popen(
-            [sys.executable, "-u", "-m", SPARE_MODULE],
-            env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        with sigint_held():
+            return subprocess.Popen(
+                [sys.executable, "-u", "-m", SPARE_MODULE],
+                env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
 
     def maintain(self) -> None:
         """Reap spares that died while idle and start new ones (within the budget)."""

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from launcher.sigint_hold import sigint_held
 from recovery.events import Event
 from replication.errors import CheckpointlessError
 from replication.forked import ForkedProcess
@@ -74,11 +75,12 @@ class Zygote:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", ZYGOTE_MODULE, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=self._env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-            )
+            with sigint_held():  # until main() ignores it
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-u", "-m", ZYGOTE_MODULE, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], env=self._env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                )
         except OSError as exc:
             ours.close()
             self.failed = f"could not start: {exc}"
