@@ -75,11 +75,16 @@ BENCHES = {
                 "survivor's transfer phase went from about 0.14 s to 0.19 s. ADR 0028 "
                 "(2026-11-25): the provider sends its replica where it lies, and a reseed "
                 "skips what the holder's own snapshot has (pure DP: half the bytes). Full "
-                "mode went from 0.30 / 0.29 / 0.28 to 0.21 / 0.22 / 0.23 (the run below), "
+                "mode went from 0.30 / 0.29 / 0.28 to 0.21 / 0.22 / 0.23 (session 16), "
                 "quick mode to 0.09 / 0.12 / 0.14. Full mode misses 0.15 on replay: a kill "
                 "in step K's backward replays K-1 and K (K-1's round ends about 0.1 s into "
                 "K, its copy niced, ADR 0013), 0.42 s of DDP's 0.98 s recovery and 0.78 s "
-                "of FSDP2's 1.20 s.",
+                "of FSDP2's 1.20 s. Session 17 (2026-11-27, the run below, same recovery "
+                "code): 0.19 / 0.20 / 0.23, step time after 1.12x (1.06x in session 16). "
+                "Whether K-1 is replayed is a race between the kill and K-1's round: in "
+                "three stand-alone DDP kill runs that day (no baseline in them), 0.73 s "
+                "from the kill to step K done where K-1 had committed, 1.12 s and 1.71 s "
+                "where it had not.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (issue 4; the writer on its own)",
