@@ -10,7 +10,6 @@ command imports, while the workers start, and mid-training.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -117,27 +116,32 @@ def test_sigterm_to_the_store_hosts_agent_mid_training_stops_the_job(tmp_path):
 
 
 @pytest.mark.parametrize("held", [True, False])
-def test_ctrl_c_while_a_worker_interpreter_starts(tmp_path, held):
+def test_ctrl_c_while_a_worker_interpreter_starts(tmp_path, capfd, held):
     """A Ctrl-C that lands while a worker's interpreter is still starting (before the
-    bootstrap has any handler) is held until the bootstrap can take it: the worker
-    leaves quietly with 130. Without the hold (``held=False``, the control) the same
-    signal kills it at start-up or prints a KeyboardInterrupt traceback."""
-    from launcher.sigint_hold import sigint_held
-    from launcher.worker_procs import python_command
+    bootstrap has any handler) is held until the bootstrap can take it: a worker the
+    agent starts (``worker_procs.spawn``) leaves quietly with 130. Without the hold
+    (``held=False``, the control: a plain Popen of the same command) the same signal
+    kills it at start-up or prints a KeyboardInterrupt traceback."""
+    from launcher import worker_output, worker_procs
 
     script = tmp_path / "train.py"
     script.write_text("print('the script ran')\n")
-    hold = sigint_held() if held else contextlib.nullcontext()
-    with hold:
-        proc = subprocess.Popen(python_command(str(script), [], module=False), cwd=REPO,
-                                env=clean_env(), stdout=subprocess.PIPE,
+    cmd = worker_procs.python_command(str(script), [], module=False)
+    env = {**clean_env(), "RANK": "0"}
+    if held:
+        proc = worker_procs.spawn(cmd, env)  # what the agent runs; output relayed to ours
+    else:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     os.kill(proc.pid, signal.SIGINT)  # at once: the interpreter is still starting
-    out, err = proc.communicate(timeout=60)
     if held:
+        proc.wait(timeout=60)
+        worker_output.drain()
+        out, err = capfd.readouterr()
         assert proc.returncode == 130, (proc.returncode, err[-2000:])
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
         assert "the script ran" not in out
     else:
+        out, err = proc.communicate(timeout=60)
         assert proc.returncode != 0 and (proc.returncode < 0 or "KeyboardInterrupt" in err), (
             proc.returncode, err[-2000:])
