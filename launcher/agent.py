@@ -242,13 +242,13 @@ class Agent(NodeLossHandling):
         stop_processes([w.proc for w in list(self.workers.values())], grace_s=0.0)
 
     def _start_zygote(self) -> Zygote | None:
-        """The process that spares are forked from (ADR 0011), where this node keeps
-        spares, the user did not turn it off, and the agent can adopt the forks."""
-        if self.args.spares <= 0 or not self.args.fork_spares:
+        """The process that workers and spares are forked from (ADR 0011, ADR 0029),
+        unless the user turned it off or the agent cannot adopt the forks."""
+        if not self.args.zygote:
             return None
         if not reaper.become_subreaper():
-            self._log("cannot adopt forked spares here (no PR_SET_CHILD_SUBREAPER): "
-                      "each spare imports torch itself")
+            self._log("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): "
+                      "each worker and spare imports torch itself")
             return None
         self._subreaper = True
         zygote = Zygote(self.base_env, self._emit)
@@ -449,17 +449,20 @@ class Agent(NodeLossHandling):
                                        restart_count=restart_count, heartbeat=hb,
                                        replacement=replacement)
         a = self.args
-        pool = self.spares if replacement else None  # the first launch starts fresh processes
-        proc, spare = launch(a.script, a.script_args, a.module, self.base_env, rank_vars, pool)
+        proc, how = launch(a.script, a.script_args, a.module, self.base_env, rank_vars,
+                           self.spares, replacement=replacement,
+                           should_stop=lambda: self._signal is not None)
+        spare = how == "spare"
         gen = protocol.current_generation(self.store)
         self.workers[rank] = Worker(rank, local, group, proc, hb, restart_count, gen, spare)
         self._emit(Event.WORKER_START, rank=rank, local_rank=local, group_rank=group, pid=proc.pid,
-                   replacement=replacement, spare=spare, restart_count=restart_count)
+                   replacement=replacement, spare=spare, started=how,
+                   restart_count=restart_count)
         self._publish_process(rank, proc.pid, "running", replacement=replacement)
         if replacement:
             took = time.monotonic() - detected_at if detected_at is not None else None
             self._emit(Event.REPLACEMENT_ASSIGNED, rank=rank, pid=proc.pid, spare=spare, gen=gen,
-                       seconds_since_detection=took)
+                       started=how, seconds_since_detection=took)
             self._log(f"rank {rank} handed to {'a warm spare' if spare else 'a new process'} "
                       f"(pid {proc.pid})")
 

@@ -64,8 +64,9 @@ class RunArgs:
     monitor_interval_s: float
     bind: str | None = None  # --bind as given (None: the default rules of launcher.bind)
     job_secret_file: str | None = None
-    #: Fork spares from a zygote that imported torch once (False: each spare imports).
-    fork_spares: bool = True
+    #: Fork workers and spares from a zygote that imported torch once (False: each
+    #: worker and spare is a new interpreter that imports torch itself).
+    zygote: bool = True
     #: Set by :func:`prepare`: the job secret (None: generate or share one locally).
     job_secret: bytes | None = field(default=None, repr=False, compare=False)
     #: Set by :func:`prepare`: where this node listens.
@@ -138,9 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "recipe", default=None, metavar="FILE", help="YAML recipe")
     _flag(parser, "spares", type=int, default=0, metavar="N",
           help="warm spare processes per node, started with torch imported (default 0)")
-    _flag(parser, "no-fork-spares", dest="fork_spares", action="store_false",
-          help="start each warm spare as a new interpreter instead of forking it from a "
-          "zygote that imported torch once (Linux; see docs/adr/0011-zygote.md)")
+    _flag(parser, "no-zygote", dest="zygote", action="store_false",
+          help="start each worker and warm spare as a new interpreter instead of forking "
+          "it from a zygote that imported torch once (Linux; see docs/adr/0029-workers-"
+          "forked-from-the-zygote.md)")
+    _flag(parser, "no-fork-spares", dest="zygote", action="store_false",
+          help=argparse.SUPPRESS)  # its older name, from when only spares were forked
     _flag(parser, "job-secret-file", dest="job_secret_file", default=None, metavar="FILE",
           help=f"the job secret (not readable by other users); or set {contract.ENV_JOB_SECRET}. "
           "Required with several nodes unless all run on this machine")
@@ -240,7 +244,7 @@ def _validate(
         monitor_interval_s=ns.monitor_interval,
         bind=getattr(ns, "bind", None),
         job_secret_file=getattr(ns, "job_secret_file", None),
-        fork_spares=getattr(ns, "fork_spares", True),
+        zygote=getattr(ns, "zygote", True),
         rdzv_backend=backend,
         etcd_endpoints=etcd_endpoints,
     )

@@ -125,21 +125,35 @@ def launch(
     base_env: Mapping[str, str],
     rank_vars: Mapping[str, str],
     spares: SparePool | None,
-) -> tuple[Spare, bool]:
-    """Start a rank: on an idle warm spare if ``spares`` has one, else a fresh process.
+    *,
+    replacement: bool,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[Spare, str]:
+    """Start a rank, the cheapest way there is (ADR 0029).
 
-    Returns the process and whether it was a spare. The pool refills itself later,
-    from the agent's poll loop, once the recovery no longer needs the CPU.
+    - A replacement takes an idle warm spare (``"spare"``), else a new fork from the
+      zygote (``"fork"``).
+    - A first start forks from the zygote, waiting for a zygote still importing (its
+      import is the one the worker would pay anyway): ``"fork"``. The idle spares stay
+      for failures.
+    - Without a zygote (``--no-zygote``, not Linux, or it failed), or if the spare died
+      before it took the rank: a new interpreter, ``"exec"``.
+
+    Returns the process and how it started. The pool refills itself later, from the
+    agent's poll loop, once the recovery no longer needs the CPU.
     """
-    candidate = spares.take() if spares is not None else None
-    if candidate is not None and spares is not None:
-        assigned = SparePool.assign(candidate, rank_vars, [script, *script_args], module)
-        if assigned:
-            worker_output.relabel(candidate.pid, f"rank{rank_vars.get('RANK', '?')}")
-            return candidate, True
-        stop_processes([candidate], grace_s=0.0)
+    if spares is not None:
+        candidate, how = (spares.take(), "spare") if replacement else (None, "fork")
+        if candidate is None:  # none idle, or a first start: a fork still beats an import
+            wait_s = spares.zygote_take_wait_s if replacement else spares.zygote_wait_s
+            candidate, how = spares.fork(wait_s, should_stop), "fork"
+        if candidate is not None:
+            if SparePool.assign(candidate, rank_vars, [script, *script_args], module):
+                worker_output.relabel(candidate.pid, f"rank{rank_vars.get('RANK', '?')}")
+                return candidate, how
+            stop_processes([candidate], grace_s=0.0)
     cmd = python_command(script, script_args, module)
-    return spawn(cmd, {**base_env, **rank_vars}), False
+    return spawn(cmd, {**base_env, **rank_vars}), "exec"
 
 
 def stop_processes(procs: Iterable[Spare], grace_s: float = 5.0) -> None:
@@ -238,8 +252,9 @@ class SparePool:
         self.fill()
 
     def take(self) -> Spare | None:
-        """An idle spare, else (with a zygote) a newly forked one. A zygote still
-        importing is waited for, briefly: its head start beats a new interpreter's."""
+        """An idle spare, if any. Taking one schedules the refill; a zygote still
+        importing is waited for, briefly, when none is idle, because its head start
+        beats a new interpreter's (the caller then forks: :meth:`fork`)."""
         z = self.zygote
         forked = z is not None and z.usable and z.ready(
             wait_s=0.0 if self._idle else self.zygote_take_wait_s)
@@ -249,12 +264,29 @@ class SparePool:
             proc = self._idle.pop(0)
             if proc.poll() is None:
                 return proc
-        if forked and self.zygote is not None:  # none idle: a fork still beats an import
-            try:
-                return self._started(self.zygote.fork_spare(args=SPARE_MODULE))
-            except ZygoteError as exc:
-                self._emit(Event.SPARE_FORK_FAILED, reason=str(exc))
         return None
+
+    def fork(self, wait_s: float, should_stop: Callable[[], bool] = lambda: False) -> Spare | None:
+        """A process forked from the zygote for a rank that starts now, without touching
+        the idle spares (they stay for failures). Waits up to ``wait_s`` for a zygote
+        still importing, in slices so that a stop request is seen; None without a
+        usable zygote (the caller starts a new interpreter)."""
+        z = self.zygote
+        if z is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while z.usable and not z.ready(wait_s=0.1):
+            if should_stop() or time.monotonic() >= deadline:
+                return None
+        if not z.usable:
+            return None
+        try:
+            proc = z.fork_spare(args=SPARE_MODULE)
+        except ZygoteError as exc:
+            self._emit(Event.SPARE_FORK_FAILED, reason=str(exc))
+            return None
+        worker_output.relay(proc, "spare")
+        return proc
 
     @staticmethod
     def assign(

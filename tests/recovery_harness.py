@@ -116,7 +116,7 @@ class JobResult:
 def agent_command(
     *, node_rank: int, nnodes: int, nproc: int, run_dir: Path, endpoint: str | None,
     rdzv_id: str, spares: int, overrides: tuple[str, ...], script: str,
-    script_args: tuple[str, ...], etcd: str | None = None,
+    script_args: tuple[str, ...], etcd: str | None = None, zygote: bool = True,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "launcher.cli", "run", "--nproc-per-node", str(nproc)]
     if etcd is not None:
@@ -128,6 +128,8 @@ def agent_command(
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
                 "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
     cmd += ["--run-dir", str(run_dir), "--spares", str(spares)]
+    if not zygote:
+        cmd += ["--no-zygote"]  # every worker and spare a new interpreter
     # join quickly or fail: a test must never wait torchrun's 600 s for a missing node
     cmd += ["--rdzv-conf", "join_timeout=60"]
     return [*cmd, *overrides, script, *script_args]
@@ -172,6 +174,7 @@ def run_job(
     during: Callable[..., None] | None = None,
     etcd: str | None = None,
     late_spare_nodes: int = 0,
+    zygote: bool = True,
 ) -> JobResult:
     """Run one job to completion (or ``timeout_s``), then kill whatever is left.
 
@@ -185,7 +188,8 @@ def run_job(
     hosts anything, and the agents share :data:`TEST_JOB_SECRET`. ``late_spare_nodes``
     spare nodes are not started with the others: ``during`` is then called as
     ``during(run_dir, start_spare_node)`` and starts each when it wants (a spare that
-    joins a running job, as after a node loss).
+    joins a running job, as after a node loss). ``zygote=False`` passes ``--no-zygote``:
+    every worker and spare is a new interpreter instead of a fork (ADR 0029).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +205,7 @@ def run_job(
         cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=nproc, run_dir=run_dir,
                             endpoint=endpoint, rdzv_id=rdzv_id, spares=spares,
                             overrides=overrides, script=str(script),
-                            script_args=script_args, etcd=etcd)
+                            script_args=script_args, etcd=etcd, zygote=zygote)
         secret = {"CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET} if etcd else None
         agents[node] = start_agent(cmd, node, run_dir / "logs", secret)
 

@@ -69,9 +69,9 @@ def test_torchrun_environment_and_env_init(agents, tmp_path, out):
     assert "job done" in agents.log(proc)
 
 
-@pytest.mark.parametrize(("spares", "fork"), [(0, True), (1, True), (1, False)])
+@pytest.mark.parametrize(("spares", "fork"), [(0, True), (1, True), (1, False), (0, False)])
 def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out, spares, fork):
-    flags = ("--spares", str(spares), *(() if fork else ("--no-fork-spares",)))
+    flags = ("--spares", str(spares), *(() if fork else ("--no-zygote",)))
     proc, run_dir = standalone(agents, tmp_path, *flags,
                                worker=("--fail-once", "1", "--replacement-finishes"))
     assert agents.wait(proc) == 0, agents.log(proc)
@@ -82,13 +82,18 @@ def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out
     assert first["pid"] != second["pid"]
     [assigned] = events(run_dir, "replacement_assigned")
     assert assigned["rank"] == 1 and assigned["spare"] is bool(spares)
+    # an idle spare, else a fork from the zygote, else a new interpreter (ADR 0029)
+    assert assigned["started"] == ("spare" if spares else "fork" if fork else "exec")
     assert assigned["pid"] == second["pid"] and assigned["seconds_since_detection"] < 5
     [declared] = events(run_dir, "failure_declared")
     assert declared["gen"] == 1 and declared["cause"]["exitcode"] == 1
-    # With spares, they come from the zygote unless --no-fork-spares (ADR 0011).
+    # The first workers are forked from the zygote too, unless --no-zygote.
+    firsts = [e for e in events(run_dir, "worker_start") if not e["replacement"]]
+    assert [e["started"] for e in firsts] == ["fork" if fork else "exec"] * 2
+    # With spares, they come from the zygote unless --no-zygote (ADR 0011).
     started = events(run_dir, "spare_start")
     assert all(e["forked"] is fork for e in started) and bool(started) is bool(spares)
-    assert bool(events(run_dir, "zygote_ready")) is (spares > 0 and fork)
+    assert bool(events(run_dir, "zygote_ready")) is fork
 
 
 def test_hung_worker_is_killed_and_replaced(agents, tmp_path, out):
@@ -103,6 +108,7 @@ def test_hung_worker_is_killed_and_replaced(agents, tmp_path, out):
     assert hung["rank"] == 1 and hung["pid"] == rec["pid"]
     [assigned] = events(run_dir, "replacement_assigned")
     assert assigned["rank"] == 1 and assigned["spare"] is False
+    assert assigned["started"] == "fork"  # no idle spare: forked from the zygote
     assert len(records(out, 0)) == 1 and len(records(out, 1)) == 2
 
 

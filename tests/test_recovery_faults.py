@@ -42,15 +42,13 @@ def reference(tmp_path_factory):
     return job
 
 
-def _assert_replaced(job, rank: int, *, spare: bool) -> None:
+def _assert_replaced(job, rank: int, *, how: str) -> None:
     exits = [e for e in job.events("worker_exit") if e["rank"] == rank]
     assert exits and exits[0]["signal"] == "SIGKILL", f"rank {rank} exits: {exits}"
     assigned = [e for e in job.events("replacement_assigned") if e["rank"] == rank]
     assert len(assigned) == 1, f"expected one replacement of rank {rank}, got {assigned}"
-    assert assigned[0]["spare"] is spare, (
-        f"rank {rank} replaced by {'a warm spare' if assigned[0]['spare'] else 'a new process'}"
-        f", expected {'a warm spare' if spare else 'a new process'}"
-    )
+    assert assigned[0]["started"] == how, (
+        f"rank {rank} replaced by {assigned[0]['started']!r}, expected {how!r}")
     newcomers = [e for e in job.events("recovery") if e["newcomer"]]
     assert [e["rank"] for e in newcomers] == [rank]
     assert newcomers[0]["bytes_transferred"] > 0, "the replacement received no state"
@@ -58,17 +56,17 @@ def _assert_replaced(job, rank: int, *, spare: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("rank", "phase", "spares"),
+    ("rank", "phase", "spares", "zygote"),
     [
-        pytest.param(1, "forward", 1, id="forward-warm-spare"),
-        pytest.param(0, "backward", 0, id="backward-fresh-process"),
-        pytest.param(1, "optimizer", 1, id="optimizer-warm-spare"),
-        pytest.param(1, "snapshot", 0, id="snapshot-fresh-process"),
+        pytest.param(1, "forward", 1, True, id="forward-warm-spare"),
+        pytest.param(0, "backward", 0, False, id="backward-fresh-process"),
+        pytest.param(1, "optimizer", 1, True, id="optimizer-warm-spare"),
+        pytest.param(1, "snapshot", 0, True, id="snapshot-forked-process"),
     ],
 )
-def test_sigkill_one_worker(tmp_path, reference, rank, phase, spares):
+def test_sigkill_one_worker(tmp_path, reference, rank, phase, spares, zygote):
     fault = f"{rank}:{FAULT_STEP}:{phase}"
-    job = run_job(tmp_path / "run", spares=spares,
+    job = run_job(tmp_path / "run", spares=spares, zygote=zygote,
                   overrides=[f"recovery.fault={fault}"])
     assert_succeeded(job)
     assert_same_final(reference, job)
@@ -77,7 +75,7 @@ def test_sigkill_one_worker(tmp_path, reference, rank, phase, spares):
     assert (fired["rank"], fired["step"], fired["phase"], fired["kind"]) == (
         rank, FAULT_STEP, phase, "sigkill")
     assert {e["gen"] for e in recs} == {1}, "one failure must make exactly one generation"
-    _assert_replaced(job, rank, spare=bool(spares))
+    _assert_replaced(job, rank, how="spare" if spares else "fork" if zygote else "exec")
     assert job.events("job_done")[0]["recoveries"] == 1
 
 
@@ -92,7 +90,7 @@ def test_sigkill_with_every_optimizer_tensor_copied_overlapped(tmp_path, referen
     assert_succeeded(job)
     assert_same_final(reference, job)
     assert_recovered(job)
-    _assert_replaced(job, 1, spare=True)
+    _assert_replaced(job, 1, how="spare")
     rounds = [e["replicated"] for e in job.events("step") if e.get("replicated")]
     assert rounds and all(r["overlapped_bytes"] > 0 for r in rounds), rounds[:3]
     assert not [e for e in reference.events("step")
@@ -146,7 +144,7 @@ def test_sigkill_during_replication(tmp_path, reference):
     fired = job.events("fault_injected")[0]["ts"]
     late = {e["rank"]: round(e["ts"] - fired, 1) for e in recs if e["ts"] - fired > 25}
     assert not late, f"seconds from the fault to each rank's recovery: {late}"
-    _assert_replaced(job, 1, spare=True)
+    _assert_replaced(job, 1, how="spare")
 
 
 def test_exception_on_one_rank(tmp_path, reference):
@@ -177,7 +175,7 @@ def test_hung_worker_is_killed_and_replaced(tmp_path, reference):
     assert hung[0]["silent_s"] >= 6
     declared = job.events("failure_declared")
     assert declared and declared[0]["cause"]["kind"] == "worker_hung"
-    _assert_replaced(job, 1, spare=True)
+    _assert_replaced(job, 1, how="spare")
 
 
 def test_rollback_is_bounded_by_snapshot_interval(tmp_path, reference):

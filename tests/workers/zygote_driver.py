@@ -51,7 +51,7 @@ def run_spares(cfg: dict) -> dict:
     if cfg.get("kill_zygote"):
         os.kill(zygote.proc.pid, signal.SIGKILL)
         zygote.proc.wait()
-        after = pool.take()  # none idle: it would fork, but the zygote is gone
+        after = pool.take() or pool.fork(0.0)  # none idle, and no zygote to fork from
         out["take_after_death"] = None if after is None else after.pid
         pool.fill()
         out["refill_kind"] = [type(p).__name__ for p in pool._idle]
