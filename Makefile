@@ -11,6 +11,8 @@ NEMO_STAMP := $(NEMO_VENV)/.setup-stamp
 # The CPU wheel of torch; a newer or unpinned torch would pull a multi-GB CUDA build.
 # GPU users: see README.md ("Installing on GPU hosts").
 TORCH_SPEC ?= torch==2.13.0
+# `.ci/run` sets SUITE_BUDGET=--warn-over=900: a warning when the main suite passes 15 min.
+SUITE_BUDGET ?=
 
 .PHONY: setup setup-nemo bytecode demo test test-nemo test-fast test-slow bench lint clean
 
@@ -47,6 +49,7 @@ test: setup setup-nemo
 	rm -f build/pytest-main.xml build/pytest-nemo.xml
 	$(PY) -m pytest -q -n 2 --dist loadfile --junitxml=build/pytest-main.xml
 	test -s build/pytest-main.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
+	$(PY) .ci/suite_time.py build/pytest-main.xml $(SUITE_BUDGET)
 	$(NEMO_PY) -m pytest -q tests/nemo_toolkit --junitxml=build/pytest-nemo.xml
 	test -s build/pytest-nemo.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
 
