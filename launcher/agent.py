@@ -55,7 +55,7 @@ from launcher.worker_procs import (
     make_heartbeat_file,
     stop_processes,
 )
-from launcher.zygote import Zygote
+from launcher.zygote import Zygote, forks_workers
 from recovery import auth, protocol
 from recovery.causes import FailureCause, describe
 from recovery.events import Event
@@ -242,9 +242,10 @@ class Agent(NodeLossHandling):
         stop_processes([w.proc for w in list(self.workers.values())], grace_s=0.0)
 
     def _start_zygote(self) -> Zygote | None:
-        """The process that workers and spares are forked from (ADR 0011, ADR 0029),
-        unless the user turned it off or the agent cannot adopt the forks."""
-        if not self.args.zygote:
+        """The process that spares are forked from (ADR 0011), and on a CPU build of
+        torch the workers too (ADR 0029), unless the user turned it off or the agent
+        cannot adopt the forks."""
+        if not self.args.zygote or (self.args.spares <= 0 and not forks_workers()):
             return None
         if not reaper.become_subreaper():
             self._log("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): "

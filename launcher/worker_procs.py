@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from launcher import worker_output
 from launcher.sigint_hold import sigint_held
-from launcher.zygote import Zygote, ZygoteError
+from launcher.zygote import Zygote, ZygoteError, forks_workers
 from recovery.events import Event
 from replication.forked import ForkedProcess
 
@@ -135,7 +135,8 @@ def launch(
       zygote (``"fork"``).
     - A first start forks from the zygote, waiting for a zygote still importing (its
       import is the one the worker would pay anyway): ``"fork"``. The idle spares stay
-      for failures.
+      for failures. Only on a CPU build of torch (:func:`launcher.zygote.forks_workers`):
+      elsewhere the zygote exists only with spares, and first starts are ``"exec"``.
     - Without a zygote (``--no-zygote``, not Linux, or it failed), or if the spare died
       before it took the rank: a new interpreter, ``"exec"``.
 
@@ -144,7 +145,8 @@ def launch(
     """
     if spares is not None:
         candidate, how = (spares.take(), "spare") if replacement else (None, "fork")
-        if candidate is None:  # none idle, or a first start: a fork still beats an import
+        if candidate is None and (replacement or spares.forks_workers):
+            # none idle, or a first start: a fork still beats an import
             wait_s = spares.zygote_take_wait_s if replacement else spares.zygote_wait_s
             candidate, how = spares.fork(wait_s, should_stop), "fork"
         if candidate is not None:
@@ -205,6 +207,8 @@ class SparePool:
         self._refill_at = 0.0
         self.zygote = zygote
         self._zygote_since = time.monotonic()
+        #: First starts fork from the zygote too (ADR 0029; CPU builds of torch only).
+        self.forks_workers = zygote is not None and forks_workers()
 
     def fill(self) -> None:
         if time.monotonic() < self._refill_at:

@@ -58,6 +58,20 @@ class ZygoteError(CheckpointlessError, RuntimeError):
     """The zygote could not fork a spare (it died, or stopped answering)."""
 
 
+def forks_workers() -> bool:
+    """Whether first workers, and replacements when no spare is idle, may be forked
+    from the zygote (ADR 0029): only where torch has no GPU runtime, a CPU build.
+
+    On a CUDA or ROCm build the zygote's warm-up may initialise the GPU runtime (an
+    optimizer step asks ``torch.cuda.is_available()``), and a process forked after that
+    cannot use the GPU. Until the zygote is shown to stay GPU-free on a real card, such
+    builds keep starting workers as new interpreters, and fork only spares, as before.
+    """
+    import torch
+
+    return not (torch.version.cuda or getattr(torch.version, "hip", None))
+
+
 # --- the agent's side -------------------------------------------------------------------
 class Zygote:
     """The agent's handle on its zygote process. Not thread-safe: the agent's loop
