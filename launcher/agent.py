@@ -103,8 +103,10 @@ class JoinError(CheckpointlessError, RuntimeError):
 class Agent(NodeLossHandling):
     """Supervises one node's workers; see the module docstring for the loop."""
 
-    def __init__(self, args: RunArgs, cfg: CheckpointlessConfig, run_dir: str) -> None:
+    def __init__(self, args: RunArgs, cfg: CheckpointlessConfig, run_dir: str,
+                 zygote: Zygote | None = None) -> None:
         self.args, self.cfg, self.run_dir = args, cfg, run_dir
+        self._early_zygote = zygote  # forked before this agent started (ADR 0029)
         self._started_at = time.time()  # this run's rows in the durable history are newer
         self.node = args.node_rank
         self.rcfg = cfg.recovery
@@ -245,16 +247,30 @@ class Agent(NodeLossHandling):
         """The process that spares are forked from (ADR 0011), and on a CPU build of
         torch the workers too (ADR 0029), unless the user turned it off or the agent
         cannot adopt the forks."""
-        if not self.args.zygote or (self.args.spares <= 0 and not forks_workers()):
+        early, self._early_zygote = self._early_zygote, None
+        if not self.wants_zygote(self.args):
+            if early is not None:
+                early.stop()
             return None
         if not reaper.become_subreaper():
             self._log("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): "
                       "each worker and spare imports torch itself")
+            if early is not None:
+                early.stop()
             return None
         self._subreaper = True
+        if early is not None:  # forked from this process: it only needs the job's env
+            early.configure(self.base_env, self._emit)
+            return early
         zygote = Zygote(self.base_env, self._emit)
         zygote.start()
         return zygote
+
+    @staticmethod
+    def wants_zygote(args: RunArgs) -> bool:
+        """A zygote for spares (ADR 0011), and on a CPU build of torch for every
+        worker (ADR 0029), unless ``--no-zygote``."""
+        return args.zygote and (args.spares > 0 or forks_workers())
 
     def _reap_orphans(self) -> None:
         """Being a subreaper, collect orphans that ended up ours (a killed worker's

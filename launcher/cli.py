@@ -82,8 +82,21 @@ def entry() -> NoReturn:
     still be inside one can abort the process ("terminate called without an active
     exception", seen as exit -6 after "job done"), which would turn a finished job into
     a failed node. Only here, never in :func:`main`, which tests call in-process.
+
+    The agent forks its zygote early (:meth:`launcher.zygote.Zygote.fork_early`); the
+    child unwinds to here and becomes the zygote, so that the workers forked from it
+    end through this frame as ``python SCRIPT`` would.
     """
-    code, hard = _main(None)
+    from launcher import zygote
+
+    zygote.early_fork_allowed = True
+    child_fd: int | None = None
+    try:
+        code, hard = _main(None)
+    except zygote.BecomeZygote as child:  # the agent's early fork (ADR 0029), in the child
+        child_fd = child.fd
+    if child_fd is not None:  # outside the handler: a script's error must not chain to it
+        sys.exit(zygote.run_forked(child_fd))
     if hard:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -58,6 +58,28 @@ class ZygoteError(CheckpointlessError, RuntimeError):
     """The zygote could not fork a spare (it died, or stopped answering)."""
 
 
+class BecomeZygote(BaseException):
+    """Raised in the child of :meth:`Zygote.fork_early`.
+
+    It unwinds the agent's own frames up to the program's entry point
+    (:func:`launcher.cli.entry`), which runs the zygote from there
+    (:func:`run_forked`). A worker forked from it then ends as ``python SCRIPT`` ends
+    (``SystemExit``, thread joins, ``atexit``), with none of the agent's ``except`` or
+    ``finally`` blocks on its way out. A ``BaseException``, so no ``except Exception``
+    on the way catches it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
+        self.fd = fd
+
+
+#: Set by the program's entry point (:func:`launcher.cli.entry`), the only caller that
+#: catches :class:`BecomeZygote`: an agent run in-process (tests calling
+#: ``launcher.cli.main``) starts its zygote as a new interpreter instead.
+early_fork_allowed = False
+
+
 def forks_workers() -> bool:
     """Whether first workers, and replacements when no spare is idle, may be forked
     from the zygote (ADR 0029): only where torch has no GPU runtime, a CPU build.
@@ -103,6 +125,41 @@ class Zygote:
             theirs.close()
         self._sock = ours
         self._emit(Event.ZYGOTE_START, pid=self.proc.pid)
+
+    @classmethod
+    def fork_early(cls) -> Zygote | None:
+        """Fork the zygote from this process: the agent, after it has imported torch and
+        before it starts a thread or opens the job store (ADR 0029). The zygote then
+        inherits the imports instead of paying ``import torch`` again. It waits for the
+        job's environment (:meth:`configure`) before it warms up. None if the fork
+        failed (the agent then starts one with :meth:`start`)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        if pid == 0:  # the zygote: leave the agent's frames (see BecomeZygote)
+            ours.close()
+            raise BecomeZygote(theirs.detach())
+        theirs.close()
+        zygote = cls({}, lambda *_a, **_k: None)
+        zygote._sock = ours
+        zygote.proc = ForkedProcess(pid, args=ZYGOTE_MODULE)  # type: ignore[assignment]
+        return zygote
+
+    def configure(self, env: Mapping[str, str], emit: Callable[..., object]) -> None:
+        """Give a zygote from :meth:`fork_early` the job's environment and the agent's
+        event log; it warms up once it has them."""
+        self._env, self._emit = dict(env), emit
+        try:
+            assert self._sock is not None
+            self._sock.send(json.dumps({"env": self._env}).encode())
+        except OSError as exc:
+            self._fail(f"could not configure the forked zygote: {exc}")
+            return
+        self._emit(Event.ZYGOTE_START, pid=self.proc.pid if self.proc else None, forked=True)
 
     @property
     def usable(self) -> bool:
@@ -256,12 +313,50 @@ def _reseed() -> None:
             numpy.random.seed()
 
 
+#: The largest message the agent sends: the job's environment (see Zygote.configure).
+_ENV_MESSAGE_MAX = 1 << 20
+
+
+def run_forked(fd: int) -> int:
+    """The zygote's life in the child of :meth:`Zygote.fork_early`: quiet stdio and
+    SIGINT ignored (as :func:`main` has them), then the job's environment from the
+    agent, in place of the agent's own, then :func:`main`'s warm-up and service."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    sock = socket.socket(fileno=fd)
+    try:
+        data = sock.recv(_ENV_MESSAGE_MAX)
+    except OSError:
+        os._exit(0)
+    if not data:
+        os._exit(0)  # the agent ended before it needed a zygote
+    env = json.loads(data)["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    # torch read OMP_NUM_THREADS when the agent imported it; the job's value (the agent
+    # sets 1 for several workers per node, as torchrun does) is applied here instead.
+    threads = env.get("OMP_NUM_THREADS", "")
+    return _warm_and_serve(sock, int(threads) if threads.isdigit() and int(threads) > 0
+                           else torch.get_num_threads())
+
+
 def main(argv: list[str]) -> int:
     # A Ctrl-C in the terminal reaches the whole process group; the agent ends this
     # process (closing its socket) as part of stopping the node. A spare forked from
     # here inherits this and takes the default back when it runs a rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
+    import torch
+
+    return _warm_and_serve(sock, torch.get_num_threads())
+
+
+def _warm_and_serve(sock: socket.socket, threads: int) -> int:
     from launcher.spare import warm_up
 
     # At the job's priority throughout: the zygote must be warm by the first failure,
@@ -277,7 +372,6 @@ def main(argv: list[str]) -> int:
     # One intra-op thread while warming: an OpenMP pool started here would be lost
     # in every fork (only the forking thread survives) and hang the child's first
     # parallel op. A forked spare starts its own pool when it first needs one.
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     warm_up()
     torch.set_num_threads(threads)
