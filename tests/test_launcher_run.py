@@ -8,13 +8,23 @@ agent replaced only that rank, or stopped the job with the reason.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launcher_scripts.harness import WORKER, Agents, events, records, wait_for
+from tests.launcher_scripts.harness import (
+    WORKER,
+    Agents,
+    clean_env,
+    events,
+    records,
+    wait_for,
+)
 
 TORCHRUN_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -126,3 +136,39 @@ def test_fatal_set_by_a_worker_stops_the_job(agents, tmp_path, out):
     proc, _ = standalone(agents, tmp_path, worker=("--fatal", "0"))
     assert agents.wait(proc) == 1
     assert "checkpointless: job failed: rank 0 says the job cannot go on" in agents.log(proc)
+
+
+_THREADS_SCRIPT = """
+import json, os, sys
+import torch
+rank = os.environ["RANK"]
+with open(os.path.join(sys.argv[1], rank + ".json"), "w") as f:
+    json.dump({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+               "rank": rank, "local": os.environ["LOCAL_RANK"]}, f)
+"""
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_forked_worker_has_the_jobs_threads_and_variables(agents, tmp_path, out, nproc):
+    """ADR 0029: the zygote is forked from the agent, which imported torch under the
+    user's environment. A worker forked from it must still get the job's
+    OMP_NUM_THREADS (1 with several workers per node, as torchrun sets it) and its own
+    rank's variables, as a new interpreter would."""
+    script = tmp_path / "threads.py"
+    script.write_text(_THREADS_SCRIPT)
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
+    run_dir = tmp_path / "run"
+    proc = agents.start("--standalone", "--nproc-per-node", str(nproc), "--run-dir",
+                        str(run_dir), str(script), str(out), env=env)
+    assert agents.wait(proc) == 0, agents.log(proc)
+    assert [e["started"] for e in events(run_dir, "worker_start")] == ["fork"] * nproc
+    assert [e.get("forked") for e in events(run_dir, "zygote_start")] == [True]
+    fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           env=env, capture_output=True, text=True, check=True)
+    for rank in range(nproc):
+        rec = json.loads((out / f"{rank}.json").read_text())
+        assert rec["rank"] == rec["local"] == str(rank)
+        if nproc > 1:
+            assert (rec["omp"], rec["threads"]) == ("1", 1), rec
+        else:  # one worker: the user's own default, as in a new interpreter
+            assert (rec["omp"], rec["threads"]) == (None, int(fresh.stdout)), rec

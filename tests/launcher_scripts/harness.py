@@ -36,12 +36,13 @@ class Agents:
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[int, Path] = {}
 
-    def start(self, *args: str) -> subprocess.Popen:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = self.tmp / f"agent{len(self.procs)}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "launcher.cli", "run", *args],
-                cwd=REPO, env=clean_env(), stdout=f, stderr=subprocess.STDOUT,
+                cwd=REPO, env=clean_env() if env is None else env, stdout=f,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.logs[proc.pid] = log
