@@ -42,7 +42,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from launcher import job_outcome, job_store, liveness, membership, reaper, worker_output
+from launcher import (
+    job_outcome,
+    job_store,
+    liveness,
+    membership,
+    reaper,
+    worker_output,
+    zygote_start,
+)
 from launcher.node_loss import LostGroup, NodeLossHandling
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
@@ -55,7 +63,7 @@ from launcher.worker_procs import (
     make_heartbeat_file,
     stop_processes,
 )
-from launcher.zygote import Zygote, forks_workers
+from launcher.zygote import Zygote
 from recovery import auth, protocol
 from recovery.causes import FailureCause, describe
 from recovery.events import Event
@@ -244,33 +252,11 @@ class Agent(NodeLossHandling):
         stop_processes([w.proc for w in list(self.workers.values())], grace_s=0.0)
 
     def _start_zygote(self) -> Zygote | None:
-        """The process that spares are forked from (ADR 0011), and on a CPU build of
-        torch the workers too (ADR 0029), unless the user turned it off or the agent
-        cannot adopt the forks."""
+        """The zygote the forks come from, if any (:mod:`launcher.zygote_start`)."""
         early, self._early_zygote = self._early_zygote, None
-        if not self.wants_zygote(self.args):
-            if early is not None:
-                early.stop()
-            return None
-        if not reaper.become_subreaper():
-            self._log("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): "
-                      "each worker and spare imports torch itself")
-            if early is not None:
-                early.stop()
-            return None
-        self._subreaper = True
-        if early is not None:  # forked from this process: it only needs the job's env
-            early.configure(self.base_env, self._emit)
-            return early
-        zygote = Zygote(self.base_env, self._emit)
-        zygote.start()
+        zygote = zygote_start.start_zygote(self.args, early, self.base_env, self._emit, self._log)
+        self._subreaper = zygote is not None
         return zygote
-
-    @staticmethod
-    def wants_zygote(args: RunArgs) -> bool:
-        """A zygote for spares (ADR 0011), and on a CPU build of torch for every
-        worker (ADR 0029), unless ``--no-zygote``."""
-        return args.zygote and (args.spares > 0 or forks_workers())
 
     def _reap_orphans(self) -> None:
         """Being a subreaper, collect orphans that ended up ours (a killed worker's

@@ -58,12 +58,14 @@ WARM_MODULES = (
 )
 
 
-def warm_up() -> None:
-    """Import what a worker will need, silently: a spare prints nothing until assigned."""
+def warm_up(extra: tuple[str, ...] = ()) -> None:
+    """Import what a worker will need (``extra``: the frameworks its script imports,
+    see :mod:`launcher.script_imports`), silently: a spare prints nothing until
+    assigned."""
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
             contextlib.redirect_stderr(sink), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in WARM_MODULES:
+        for name in (*WARM_MODULES, *extra):
             try:
                 importlib.import_module(name)
             except Exception:

@@ -149,13 +149,15 @@ class Zygote:
         zygote.proc = ForkedProcess(pid, args=ZYGOTE_MODULE)  # type: ignore[assignment]
         return zygote
 
-    def configure(self, env: Mapping[str, str], emit: Callable[..., object]) -> None:
-        """Give a zygote from :meth:`fork_early` the job's environment and the agent's
-        event log; it warms up once it has them."""
+    def configure(self, env: Mapping[str, str], emit: Callable[..., object],
+                  warm: tuple[str, ...] = ()) -> None:
+        """Give a zygote from :meth:`fork_early` the job's environment, the agent's
+        event log, and the modules to import before the first fork (``warm``: see
+        :mod:`launcher.script_imports`); it warms up once it has them."""
         self._env, self._emit = dict(env), emit
         try:
             assert self._sock is not None
-            self._sock.send(json.dumps({"env": self._env}).encode())
+            self._sock.send(json.dumps({"env": self._env, "warm": list(warm)}).encode())
         except OSError as exc:
             self._fail(f"could not configure the forked zygote: {exc}")
             return
@@ -333,7 +335,8 @@ def run_forked(fd: int) -> int:
         os._exit(0)
     if not data:
         os._exit(0)  # the agent ended before it needed a zygote
-    env = json.loads(data)["env"]
+    msg = json.loads(data)
+    env, warm = msg["env"], tuple(msg.get("warm", ()))
     os.environ.clear()
     os.environ.update(env)
     import torch
@@ -342,7 +345,7 @@ def run_forked(fd: int) -> int:
     # sets 1 for several workers per node, as torchrun does) is applied here instead.
     threads = env.get("OMP_NUM_THREADS", "")
     return _warm_and_serve(sock, int(threads) if threads.isdigit() and int(threads) > 0
-                           else torch.get_num_threads())
+                           else torch.get_num_threads(), warm)
 
 
 def main(argv: list[str]) -> int:
@@ -356,7 +359,7 @@ def main(argv: list[str]) -> int:
     return _warm_and_serve(sock, torch.get_num_threads())
 
 
-def _warm_and_serve(sock: socket.socket, threads: int) -> int:
+def _warm_and_serve(sock: socket.socket, threads: int, warm: tuple[str, ...] = ()) -> int:
     from launcher.spare import warm_up
 
     # At the job's priority throughout: the zygote must be warm by the first failure,
@@ -373,7 +376,7 @@ def _warm_and_serve(sock: socket.socket, threads: int) -> int:
     # in every fork (only the forking thread survives) and hang the child's first
     # parallel op. A forked spare starts its own pool when it first needs one.
     torch.set_num_threads(1)
-    warm_up()
+    warm_up(warm)
     torch.set_num_threads(threads)
     try:
         sock.send(json.dumps({"ready": True, "warm_s": round(time.monotonic() - t0, 3),

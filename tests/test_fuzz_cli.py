@@ -108,8 +108,9 @@ def test_config_with_any_arguments(argv):
 class _StubAgent:
     started: list = []
 
-    def __init__(self, args, cfg, run_dir) -> None:
+    def __init__(self, args, cfg, run_dir, zygote=None) -> None:
         self.args, self.cfg, self.run_dir = args, cfg, run_dir
+        assert zygote is None  # in-process: never forked early (launcher.zygote)
 
     def run(self) -> int:
         _StubAgent.started.append(self.args)

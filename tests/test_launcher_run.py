@@ -172,3 +172,30 @@ def test_a_forked_worker_has_the_jobs_threads_and_variables(agents, tmp_path, ou
             assert (rec["omp"], rec["threads"]) == ("1", 1), rec
         else:  # one worker: the user's own default, as in a new interpreter
             assert (rec["omp"], rec["threads"]) == (None, int(fresh.stdout)), rec
+
+
+_LIGHTNING_PROBE = """
+import json, os, sys
+warm = "lightning.pytorch" in sys.modules  # before this script imported anything
+{imports}
+with open(os.path.join(sys.argv[1], os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({{"warm": warm}}, f)
+"""
+
+
+@pytest.mark.parametrize("imports_lightning", [True, False])
+def test_the_first_workers_of_a_lightning_script_share_one_import(agents, tmp_path, out,
+                                                                  imports_lightning):
+    """ADR 0029: the zygote imports Lightning before it forks the first workers of a
+    script that imports it, so two workers pay one import; a script that does not
+    import it gets no Lightning in its workers."""
+    script = tmp_path / "probe.py"
+    script.write_text(_LIGHTNING_PROBE.format(
+        imports="import lightning" if imports_lightning else "import torch"))
+    run_dir = tmp_path / "run"
+    proc = agents.start("--standalone", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                        str(script), str(out))
+    assert agents.wait(proc) == 0, agents.log(proc)
+    assert [e["started"] for e in events(run_dir, "worker_start")] == ["fork"] * 2
+    for rank in (0, 1):
+        assert json.loads((out / f"{rank}.json").read_text()) == {"warm": imports_lightning}

@@ -86,13 +86,13 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         print(f"{PROG}: error: cannot create the run directory: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    from launcher import zygote
+    from launcher import zygote, zygote_start
     from launcher.agent import Agent  # torch comes in here
 
     # Still one thread and no job store: the zygote can be forked from here and inherit
     # the imports (ADR 0029); the agent hands it the job's environment once it has one.
     early = (zygote.Zygote.fork_early()
-             if zygote.early_fork_allowed and Agent.wants_zygote(args) else None)
+             if zygote.early_fork_allowed and zygote_start.wants_zygote(args) else None)
     code = Agent(args, cfg, run_dir, zygote=early).run()
     # Asks the program's entry point (launcher.cli.entry, which says why) to end this
     # process without interpreter teardown; callers of main() in-process are unaffected.

@@ -1,0 +1,49 @@
+"""Whether an agent gets a zygote, and which one (ADR 0011, ADR 0029).
+
+Kept apart from :mod:`launcher.zygote` (the process and its protocol) and from the agent
+(which only asks for one): the decision depends on the command line, the build of
+torch and what the kernel allows, and it picks between a zygote forked from the agent
+itself and one started as a new interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from launcher import reaper, script_imports
+from launcher.run_args import RunArgs
+from launcher.zygote import Zygote, forks_workers
+
+
+def wants_zygote(args: RunArgs) -> bool:
+    """A zygote for spares (ADR 0011), and on a CPU build of torch for every worker
+    (ADR 0029), unless ``--no-zygote``."""
+    return args.zygote and (args.spares > 0 or forks_workers())
+
+
+def start_zygote(
+    args: RunArgs, early: Zygote | None, env: Mapping[str, str],
+    emit: Callable[..., object], log: Callable[[str], None],
+) -> Zygote | None:
+    """The agent's zygote, or None; with one, the agent has become a child subreaper
+    (the forks are reparented to it). ``early`` is a zygote the agent forked from itself
+    before it started (:meth:`Zygote.fork_early`): it is configured and used, or
+    stopped when none is wanted; without it a new interpreter is started."""
+    if not wants_zygote(args):
+        if early is not None:
+            early.stop()
+        return None
+    if not reaper.become_subreaper():
+        log("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): "
+            "each worker and spare imports torch itself")
+        if early is not None:
+            early.stop()
+        return None
+    if early is not None:  # forked from the agent: it only needs the job's environment
+        warm = (script_imports.frameworks_to_warm(args.script, args.module)
+                if forks_workers() else ())  # for the first workers (ADR 0029)
+        early.configure(env, emit, warm)
+        return early
+    zygote = Zygote(env, emit)
+    zygote.start()
+    return zygote
