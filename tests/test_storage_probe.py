@@ -85,7 +85,8 @@ def test_the_job_stops_before_any_worker_starts(read_only_dir, tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr)
     failed = [line for line in proc.stderr.splitlines() if "job failed" in line]
-    assert len(failed) == 1 and "failed its start-up check" in failed[0], proc.stderr
+    assert len(failed) == 1 and "failed its start-up check" in failed[0], (
+        f"exit status {proc.returncode} after {took:.1f}s\n{proc.stderr}")
     assert "Read-only file system" in failed[0]
     events = Path(run_dir / "events.jsonl").read_text()
     assert '"worker_start"' not in events, "a worker started before the storage check"
