@@ -40,14 +40,16 @@ demo: setup
 
 # pytest writes its JUnit report only when the session ends; a missing report means the
 # run died part-way (say, something called os._exit) even if the exit status was 0.
-# Two xdist workers, one test file each at a time (--dist loadfile): most tests wait on
-# real processes and timeouts, so two files side by side fit the 20-minute budget on a
-# 2-core CI host (serial: 25 minutes there). Every test tolerates the other file's load.
+# Three xdist workers, one test file each at a time (--dist loadfile), on a 2-core CI
+# host: since workers are forked from the zygote (ADR 0029) a job costs a third of the
+# CPU it did, and with two workers the cores sat idle 28 % of the run while tests waited
+# on heartbeat and join timeouts. Budget 12 minutes (docs/testing.md); every test
+# tolerates the other files' load.
 test: setup setup-nemo
 	$(PY) -m ruff check .
 	$(MAKE) --no-print-directory bytecode
 	rm -f build/pytest-main.xml build/pytest-nemo.xml
-	$(PY) -m pytest -q -n 2 --dist loadfile --junitxml=build/pytest-main.xml
+	$(PY) -m pytest -q -n 3 --dist loadfile --junitxml=build/pytest-main.xml
 	test -s build/pytest-main.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
 	$(PY) .ci/suite_time.py build/pytest-main.xml $(SUITE_BUDGET)
 	$(NEMO_PY) -m pytest -q tests/nemo_toolkit --junitxml=build/pytest-nemo.xml

@@ -146,8 +146,9 @@ def launch(
     if spares is not None:
         candidate, how = (spares.take(), "spare") if replacement else (None, "fork")
         if candidate is None and (replacement or spares.forks_workers):
-            # none idle, or a first start: a fork still beats an import
-            wait_s = spares.zygote_take_wait_s if replacement else spares.zygote_wait_s
+            # none idle, or a first start: a fork still beats an import (take() has
+            # already waited its while for a zygote still importing)
+            wait_s = 0.0 if replacement else spares.zygote_wait_s
             candidate, how = spares.fork(wait_s, should_stop), "fork"
         if candidate is not None:
             if SparePool.assign(candidate, rank_vars, [script, *script_args], module):

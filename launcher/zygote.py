@@ -1,4 +1,9 @@
-"""The zygote: one process per agent that imports torch once and forks warm spares.
+"""The zygote: one process per agent that holds torch's imports and forks warm spares,
+and on a CPU build of torch the workers too (ADR 0029).
+
+It is normally forked from the agent itself after the agent's imports
+(:meth:`Zygote.fork_early`, :func:`run_forked`), so a node pays one ``import torch``;
+an agent run in-process starts it as ``python -m launcher.zygote FD`` (:func:`main`).
 
 A warm spare started with ``Popen`` spends about 3 s of CPU on ``import torch`` and its
 warm-up step, and every replacement's durable helper spends almost 2 s more. On a busy
@@ -10,6 +15,9 @@ forks its durable helper in advance too, so a replacement imports nothing at all
 Protocol (a ``SOCK_SEQPACKET`` socketpair with the agent, descriptors passed with
 ``SCM_RIGHTS``):
 
+- a zygote forked from the agent first receives ``{"env": {...}, "warm": [...]}``: the
+  job's environment, which replaces the agent's, and the frameworks to import before
+  the first fork (:mod:`launcher.script_imports`);
 - the zygote sends ``{"ready": true}`` once warm;
 - the agent sends ``{"spare": {}}`` with three descriptors (the spare's
   stdin, stdout and stderr); the zygote forks an intermediate process, which forks the
