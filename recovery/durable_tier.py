@@ -11,6 +11,7 @@ only orchestrates.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -24,9 +25,13 @@ from recovery.errors import RecoveryImpossible
 from recovery.events import Event
 from recovery.recipe import CheckpointlessConfig
 from recovery.rendezvous import RecoveryPlan
+from recovery.save_schedule import SaveSchedule, crosses
 from replication.replicator import Replicator
 from replication.snapshot import restore_from_buffer
+from replication.snapshot_meta import SnapshotError
 from replication.state import TrainingState
+
+log = logging.getLogger("checkpointless")
 
 
 class DurableTier:
@@ -43,6 +48,14 @@ class DurableTier:
         self.store, self.log, self.state = store, log, state
         self._committed_step = committed_step
         self.writer = self._make_writer(job_id)
+        # Which snapshot each save due by step count is made at (see
+        # recovery.save_schedule): part of the training state, so every rank agrees.
+        self.schedule: SaveSchedule | None = None
+        if self.writer is not None and settings.persistence.every_n_steps:
+            self.schedule = SaveSchedule()
+            state.register("_save_schedule", self.schedule)
+            state.exempt_from_replay_check("_save_schedule")  # auto may move snapshots
+            state.mark_optional("_save_schedule")  # checkpoints of jobs without it load
         self.ticket: Any = None  # the last save handed to the writer
         self.persisted_step = -1
         self.bytes_read = 0  # by the last restore
@@ -69,6 +82,11 @@ class DurableTier:
         return bool(self.writer is not None and self.writer.zero_copy)
 
     # -- persisting ------------------------------------------------------------------
+    def before_capture(self, step: int) -> None:
+        """``step`` is about to be snapshotted: note it (the capture carries the note)."""
+        if self.schedule is not None:
+            self.schedule.before_capture(step)
+
     def persist_committed(self, replicator: Replicator, final: bool = False) -> None:
         """Hand the newest committed snapshot to the writer (never waits on I/O).
 
@@ -76,19 +94,40 @@ class DurableTier:
         committed and its slot protected until the capture after next. ``final``: the
         job's last committed step, persisted whether or not the schedule has it due.
         """
+        last = replicator.last_round
+        if last is not None:
+            self._persist(replicator, last.step, final)
+
+    def after_recovery(self, replicator: Replicator, step: int) -> None:
+        """The job was restored to its committed ``step``. A save due there that this
+        rank had not handed to its writer yet (the failure came between the commit and
+        the end of the next step) is made now, from the snapshot every rank holds after
+        the handover, so a run with failures keeps the checkpoints of one without."""
+        try:
+            self._persist(replicator, step, False, wait_ready=False)
+        except SnapshotError as exc:  # never fail a recovery for a save
+            log.warning("durable save of step %d after the recovery skipped on rank %d: %s",
+                        step, self.rank, exc)
+
+    def _persist(self, replicator: Replicator, step: int, final: bool,
+                 wait_ready: bool = True) -> None:
         if self.writer is None:
             return
-        last = replicator.last_round
         # Step 0 is the script's own initial state (or a checkpoint just restored): not
         # worth the helper's start-up time, which would make the first real save skip.
-        if last is None or last.step <= max(self.persisted_step, 0):
+        if step <= max(self.persisted_step, 0):
             return
-        if not (final or self.writer.should_persist(last.step)):
+        due = self._due_by_steps(step)
+        if not (final or self.writer.should_persist(step, steps_due=due)):
             return
-        slot = replicator.own_snapshot(last.step)
+        slot = replicator.own_snapshot(step)
         assert slot.buffer is not None
-        ticket = self.ticket = self.writer.submit(slot.meta(), slot.buffer)
-        self.persisted_step = last.step
+        ticket = self.ticket = self.writer.submit(slot.meta(), slot.buffer,
+                                                   wait_ready=wait_ready)
+        self.persisted_step = step
+        every = self.settings.persistence.every_n_steps
+        self.log.emit(Event.DURABLE_SAVE, rank=self.rank, step=step, final=final,
+                      due_step=step // every * every if every and due else None)
         writer, patience = self.writer, self.settings.replication.timeout_s
 
         def wait() -> None:  # a capture needs this very slot back
@@ -99,6 +138,16 @@ class DurableTier:
         # The slot must not be captured into until the writer is done reading it.
         replicator.hold_slot(slot, wait)
         ticket.released.add_done_callback(lambda _f: replicator.unhold_slot(slot, wait))
+
+    def _due_by_steps(self, step: int) -> bool | None:
+        """Whether a multiple of ``persistence.every_n_steps`` lies between the snapshot
+        before ``step`` and ``step`` (None: no step schedule, or that snapshot is unknown,
+        and the writer's own rule, an exact multiple, decides)."""
+        every = self.settings.persistence.every_n_steps
+        previous = self.schedule.previous(step) if self.schedule is not None else None
+        if previous is None or not every:
+            return None
+        return crosses(previous, step, int(every))
 
     def finish(self, replicator: Replicator) -> None:
         """The final step, now committed, is always persisted, due or not (with

@@ -54,6 +54,7 @@ class Event(StrEnum):
     RESUMED = "resumed"
     DURABLE_FALLBACK = "durable_fallback"
     DURABLE_RESUME = "durable_resume"
+    DURABLE_SAVE = "durable_save"  # a committed step handed to the durable writer
     FENCED = "fenced"
     FATAL = "fatal"
     FAULT_INJECTED = "fault_injected"

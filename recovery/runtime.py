@@ -188,6 +188,7 @@ class Checkpointless:
     def commit_initial(self, step: int) -> None:
         """Snapshot the state as ``step`` and wait until every copy holds it."""
         assert self.replicator is not None, "start() first"
+        self.durable.before_capture(step)
         try:
             self.replicator.snapshot(step)
         except MemoryBudgetError as exc:  # the first capture allocates the slots
@@ -333,10 +334,10 @@ class Checkpointless:
         self._completed = max(self._completed, step)
         # A slot the durable writer still reads is held (see DurableTier.persist_committed): the
         # capture below takes another slot, or waits only if it must reuse that one.
-        if snapshot is None:
-            stall = self.replicator.maybe_snapshot(step)
-        else:
-            stall = self.replicator.snapshot(step) if snapshot else None
+        capture = self.replicator.snapshot_due(step) if snapshot is None else snapshot
+        if capture:
+            self.durable.before_capture(step)
+        stall = self.replicator.snapshot(step) if capture else None
         self.durable.persist_committed(self.replicator)
         if stall is not None:
             self._mark_loaders_committed()
@@ -497,6 +498,7 @@ class Checkpointless:
                 self._teardown_generation()
         # Steps this survivor snapshotted after the target are replays from now on.
         self.replicator.rolled_back(plan.target_step)
+        self.durable.after_recovery(self.replicator, plan.target_step)
         self._replay_warned = False
         self._dp_checked.clear()
         t_reset = time.perf_counter()

@@ -281,11 +281,13 @@ class Replicator:
         self._inflight = self._rounds.submit(self._round, slot)
         return time.perf_counter() - t0
 
+    def snapshot_due(self, step: int) -> bool:
+        """Whether ``step`` is snapshotted by default: every ``replication.every_n_steps``-th."""
+        return step % self.config.every_n_steps == 0
+
     def maybe_snapshot(self, step: int) -> float | None:
         """:meth:`snapshot` on every ``replication.every_n_steps``-th step."""
-        if step % self.config.every_n_steps:
-            return None
-        return self.snapshot(step)
+        return self.snapshot(step) if self.snapshot_due(step) else None
 
     def wait(self) -> RoundStats | None:
         """Block until the in-flight round is committed; re-raise its failure.

@@ -202,6 +202,10 @@ def test_should_persist_schedule(tmp_path):
     assert timed.should_persist(3, now=660.0)  # epoch-aligned window: same on every rank
     both = make_writer(config(str(tmp_path), every_n_steps=10, interval_s=60.0), 0, 1)
     assert not both.should_persist(7, now=0.0) and both.should_persist(10, now=0.0)
+    # The caller knows the snapshot before: a save slips to the first snapshot after its
+    # multiple instead of vanishing (recovery.save_schedule).
+    assert every.should_persist(11, steps_due=True)
+    assert not every.should_persist(10, steps_due=False)
     off = make_writer(config("", every_n_steps=1), 0, 1)
     assert not off.should_persist(1)
     assert off.submit(*snapshot(SnapshotEngine(make_state()[0]), 1)).result().status == "skipped"
@@ -461,3 +465,32 @@ def test_a_save_submitted_just_before_close_is_written(tmp_path):
     writer.close(timeout=20)
     assert ticket.result(1).status == "ok"
     assert [c.step for c in durable.list_checkpoints(str(tmp_path))] == [1, 2]
+
+
+def test_save_schedule_slips_a_save_and_survives_a_restore():
+    """Snapshots every 4 steps, saves every 10: each save is made at the first snapshot
+    at or after its multiple; a restore to a snapshot brings back the one before it, so
+    a rank restored there (a replacement) decides that step as the others did."""
+    from recovery.save_schedule import SaveSchedule, crosses
+
+    schedule, due = SaveSchedule(), []
+    schedule.before_capture(0)
+    for step in range(4, 45, 4):
+        schedule.before_capture(step)
+        previous = schedule.previous(step)
+        assert previous == step - 4
+        if crosses(previous, step, 10):
+            due.append(step)
+    assert due == [12, 20, 32, 40]
+    saved = schedule.state_dict()
+    assert saved == {"step": 44, "previous": 40}
+    replacement = SaveSchedule()
+    replacement.load_state_dict({"step": 20, "previous": 16})
+    assert replacement.previous(20) == 16 and crosses(16, 20, 10)
+    assert replacement.previous(16) is None
+    schedule.before_capture(44)  # the same step again (a restore re-snapshots it)
+    assert schedule.previous(44) == 40
+    empty = SaveSchedule()
+    assert empty.state_dict() == {}
+    empty.load_state_dict({})
+    assert empty.step is None

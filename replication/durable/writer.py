@@ -166,9 +166,15 @@ class DurableWriter:
         self._thread.start()
 
     # -- schedule -------------------------------------------------------------------------
-    def should_persist(self, step: int, now: float | None = None) -> bool:
-        """Whether ``step`` is due: a multiple of ``every_n_steps`` (when set) and the
-        first due step in its ``interval_s`` window (when set).
+    def should_persist(self, step: int, now: float | None = None, *,
+                       steps_due: bool | None = None) -> bool:
+        """Whether ``step`` is due: by step count (when ``every_n_steps`` is set) and
+        the first due step in its ``interval_s`` window (when that is set).
+
+        By step count, ``step`` is due when it is a multiple of ``every_n_steps``, or,
+        when the caller knows the snapshot before it, ``steps_due``: a multiple lies in
+        between (:mod:`recovery.save_schedule`: a save slips to the next snapshot
+        instead of vanishing when its own step has none).
 
         Windows are aligned to the Unix epoch, so every rank takes the same decision
         for the same step without talking to the others (their clocks only need to agree
@@ -180,7 +186,7 @@ class DurableWriter:
         n, s = self.config.every_n_steps, self.config.interval_s
         if n <= 0 and s <= 0:
             return False
-        if n > 0 and step % n:
+        if n > 0 and not (step % n == 0 if steps_due is None else steps_due):
             return False
         if s > 0:
             return self._window(now) != self._last_window
@@ -199,7 +205,8 @@ class DurableWriter:
 
     # -- submit ---------------------------------------------------------------------------
     def submit(
-        self, meta: SnapshotMeta, buffer: torch.Tensor, release_within_s: float | None = None
+        self, meta: SnapshotMeta, buffer: torch.Tensor, release_within_s: float | None = None,
+        *, wait_ready: bool = True,
     ) -> PersistTicket:
         """Persist the snapshot ``(meta, buffer)`` in the background; never waits on I/O.
 
@@ -208,7 +215,9 @@ class DurableWriter:
         :data:`~replication.durable.staging.STAGE_BYTES_PER_S` (about 85 ms per 128 MB);
         pass ``release_within_s`` (e.g. the time until the caller captures into this
         buffer again) to have it hurry when that would be too late (a zero-copy writer
-        then stages this save).
+        then stages this save). ``wait_ready=False``: a first save does not wait for
+        the helper process to finish starting (:meth:`_warm_up`), for a caller that must
+        not stall, such as a recovery.
         """
         ticket = PersistTicket(meta.step)
         if not self.enabled:
@@ -223,7 +232,8 @@ class DurableWriter:
         ):
             raise ValueError("submit needs the snapshot's contiguous host uint8 buffer "
                              f"of at least {meta.layout.nbytes} bytes")
-        self._warm_up()
+        if wait_ready:
+            self._warm_up()
         now = ticket.submitted_at = time.monotonic()
         if self.config.interval_s > 0:
             self._last_window = self._window(None)

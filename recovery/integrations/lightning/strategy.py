@@ -332,14 +332,15 @@ class CheckpointlessStrategy(DDPStrategy):
 
     def _warn_epoch_boundary(self, step: int, every: int) -> None:
         """A snapshot due at an epoch's last step is taken one step later: resuming
-        at an epoch's first batch would run ``on_train_epoch_start`` hooks twice."""
+        at an epoch's first batch would run ``on_train_epoch_start`` hooks twice. A
+        durable save due there moves with it (:mod:`recovery.save_schedule`)."""
         if not self._warned_epoch_boundary and self.global_rank == 0:
             self._warned_epoch_boundary = True
             log.warning(
-                "checkpointless: step %d ends an epoch; a snapshot there could not be resumed "
-                "without running on_train_epoch_start twice, so it is taken at the next step "
-                "(replication.every_n_steps=%d; persistence.every_n_steps saves due at "
-                "epoch ends are skipped; shown once)", step, every)
+                "checkpointless: step %d ends an epoch; its snapshot (and a durable save due "
+                "there) is taken at step %d instead, since a resume at an epoch's first "
+                "batch would run on_train_epoch_start twice (replication.every_n_steps=%d; "
+                "the same at every epoch end; shown once)", step, step + 1, every)
 
     def _end_step(self, trainer: Any, step: int, snapshot: bool, at: str) -> None:
         if snapshot and self.gate.holding:
