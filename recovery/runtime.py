@@ -23,7 +23,8 @@ import faulthandler
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 import torch
@@ -33,6 +34,7 @@ from recovery import (
     auth,
     divergence,
     elastic_controller,
+    loader_position,
     process_groups,
     protocol,
     user_errors,
@@ -41,6 +43,7 @@ from recovery.auto_interval import AutoInterval
 from recovery.causes import FailureCause, classify
 from recovery.durable_tier import DurableTier
 from recovery.env import WorkerEnv
+from recovery.epoch_loop import EpochLoop
 from recovery.errors import CollectiveAborted, FailureDetected, Fenced, RecoveryImpossible
 from recovery.events import Event
 from recovery.fault_spec import FAULT_ENV, parse_faults
@@ -58,24 +61,6 @@ from replication.transport import WaitAbandoned, wait_polled
 #: Seconds a failure's declaration and teardown may take before every thread's stack
 #: goes to stderr. They take milliseconds; a CI soak once saw a rank spend 120 s here.
 TEARDOWN_STALL_S = 15.0
-
-
-def _refuse_unlaunched_multiprocess(env: WorkerEnv) -> None:
-    """Several processes without ``checkpointless run`` cannot recover: say so at once.
-
-    Plain ``torchrun`` (or processes the script spawns itself with RANK/WORLD_SIZE set)
-    gives no job store, so each process would wait for peers that never come.
-    """
-    if env.launched:
-        return
-    world = env.world_size
-    if dist.is_available() and dist.is_initialized():
-        world = max(world, dist.get_world_size())
-    if world > 1:  # one line, no traceback: SystemExit prints just the message
-        raise SystemExit(
-            f"checkpointless: this is rank {env.rank} of {world} processes started "
-            "without `checkpointless run` (plain torchrun or python); start the job with "
-            "`checkpointless run --nproc-per-node N script.py` (it takes torchrun's flags)")
 
 
 class Checkpointless:
@@ -100,15 +85,20 @@ class Checkpointless:
         own framework register stand-ins); ``start=False`` defers joining the job to
         :meth:`start`, for callers whose training state does not exist yet."""
         self.env = env or WorkerEnv.from_environ()
-        _refuse_unlaunched_multiprocess(self.env)
+        user_errors.refuse_unlaunched_multiprocess(self.env)
         self.settings = settings or worker_config(self.env.config_json)
         self.backend = backend
         self.rank, self.world_size = self.env.rank, self.env.world_size
         self.state = state if state is not None else TrainingState()
+        entry = loader_position.track(loader) if loader is not None else None  # or refuse
+        self.loop = EpochLoop(self, entry if entry is not loader else None)
+        own_loop = self.loop if state is None else None  # frameworks keep their own loop
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
-                          ("scaler", scaler), ("loader", loader), *(extra or {}).items()):
+                          ("scaler", scaler), ("loader", entry), ("_loop", own_loop),
+                          *(extra or {}).items()):
             if obj is not None:
                 self.state.register(name, obj)
+        self.state.mark_optional("_loop")  # checkpoints of jobs without it load
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
         self.auto_interval = AutoInterval.from_settings(  # every_n_steps: auto (either tier)
@@ -210,6 +200,15 @@ class Checkpointless:
             except Exception as exc:  # any failure of this step, local or remote
                 step = self.recover(exc) + 1  # re-raises what cannot be recovered
         self._finish()
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """``for epoch in cl.epochs(N):`` from the restored epoch; ends by :meth:`finish`.
+        With :meth:`training_step` and the loader's own ``for batch in data`` (recovery.epoch_loop)."""
+        return self.loop.epochs(num_epochs)
+
+    def training_step(self) -> AbstractContextManager[int]:
+        """``with cl.training_step():`` one step, recovered in place on a failure."""
+        return self.loop.step()
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:
         """Average gradients across ranks (deterministic order, failure-aware wait).

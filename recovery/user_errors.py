@@ -22,9 +22,12 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from replication import contract
+
+if TYPE_CHECKING:
+    from recovery.env import WorkerEnv
 
 #: Frames in these directories are the runtime's or a library's, not the user's.
 _NOT_USER = (
@@ -137,3 +140,23 @@ class RepeatGuard:
         sig = _Signature(type(exc).__name__, str(exc)[:500], step)
         again, self._last = sig == self._last, sig
         return again
+
+
+def refuse_unlaunched_multiprocess(env: WorkerEnv) -> None:
+    """Several processes without ``checkpointless run`` cannot recover: say so at once.
+
+    Plain ``torchrun`` (or processes the script spawns itself with RANK/WORLD_SIZE set)
+    gives no job store, so each process would wait for peers that never come.
+    """
+    if env.launched:
+        return
+    import torch.distributed as dist
+
+    world = env.world_size
+    if dist.is_available() and dist.is_initialized():
+        world = max(world, dist.get_world_size())
+    if world > 1:  # one line, no traceback: SystemExit prints just the message
+        raise SystemExit(
+            f"checkpointless: this is rank {env.rank} of {world} processes started "
+            "without `checkpointless run` (plain torchrun or python); start the job with "
+            "`checkpointless run --nproc-per-node N script.py` (it takes torchrun's flags)")

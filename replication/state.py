@@ -80,7 +80,10 @@ class TrainingState:
             raise StateRegistrationError(f"state name {name!r} is already registered")
         if not isinstance(obj, Stateful):
             raise StateRegistrationError(
-                f"state {name!r} ({type(obj).__qualname__}) has no state_dict/load_state_dict"
+                f"state {name!r} ({type(obj).__qualname__}) has no state_dict/load_state_dict: "
+                "register an object that has them (modules, optimizers, LR schedulers and "
+                f"GradScaler do), or give {type(obj).__qualname__} state_dict() and "
+                "load_state_dict()"
             )
         self._entries[name] = obj
 

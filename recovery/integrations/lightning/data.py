@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-import torch
+from recovery.loader_position import is_stateful as _stateful
+from recovery.loader_position import open_from, skip
 
 _OWN = frozenset({"_inner", "_hooks", "_yielded", "_creation_rng", "_resume"})
 
@@ -36,11 +37,6 @@ class LoaderHooks(Protocol):
     def after_iterator_created(self) -> None: ...
 
     def current_epoch(self) -> int: ...
-
-
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None))
 
 
 class ResumableLoader:
@@ -97,25 +93,19 @@ class ResumableLoader:
 
     def _open(self) -> Iterator[Any]:
         resume, self._resume = self._resume, None
-        creation = resume["creation_rng"] if resume else None
-        current = None
-        if isinstance(creation, torch.Tensor):
-            current = torch.get_rng_state()
-            torch.set_rng_state(creation)
-        else:
-            creation = torch.get_rng_state()
-        self._creation_rng = creation
-        try:
+        done = resume["yielded"] if resume else 0
+
+        def create() -> Iterator[Any]:
             set_epoch = getattr(self._inner, "set_epoch", None)
             if callable(set_epoch) and getattr(self._inner, "sampler", None) is None:
                 set_epoch(self._hooks.current_epoch())  # loaders that own their sampling
             iterator = iter(self._inner)
-            done = resume["yielded"] if resume else 0
             if done and not _stateful(self._inner):
-                _skip(self._inner, iterator, done)
-        finally:
-            if current is not None:
-                torch.set_rng_state(current)
+                skip(self._inner, iterator, done)
+            return iterator
+
+        iterator, self._creation_rng = open_from(create, resume["creation_rng"] if resume
+                                                 else None)
         self._yielded = done
         return iterator
 
@@ -138,23 +128,3 @@ class _LazyIterator:
         batch = next(self._it)
         loader._yielded += 1
         return batch
-
-
-def _skip(loader: Any, iterator: Any, n: int) -> None:
-    """Advance a fresh iterator by ``n`` batches.
-
-    A single-process iterator over a map-style dataset only advances its index sampler
-    (no data is loaded); anything else fetches and drops the batches.
-    """
-    from torch.utils.data import IterableDataset
-    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
-
-    sampler_iter = getattr(iterator, "_sampler_iter", None)
-    if (isinstance(iterator, _SingleProcessDataLoaderIter) and sampler_iter is not None
-            and not isinstance(getattr(loader, "dataset", None), IterableDataset)):
-        for _ in range(n):
-            next(sampler_iter)
-        iterator._num_yielded += n
-        return
-    for _ in range(n):
-        next(iterator)
