@@ -1,11 +1,11 @@
-"""The epoch-shaped loop people write, made recoverable: ``cl.epochs(N)`` and ``cl.training_step()``.
+"""The epoch-shaped loop people write, made recoverable: ``cl.epochs`` and ``cl.training_step``.
 
 ::
 
     for epoch in cl.epochs(2):            # starts at the restored epoch
         sampler.set_epoch(epoch)
         for batch in data:                # the user's own DataLoader, tracked
-            with cl.training_step():               # one training step
+            with cl.training_step():      # one training step
                 loss_fn(model(batch)).backward()
                 opt.step(); opt.zero_grad()
 
@@ -137,11 +137,14 @@ class EpochLoop:
             yield step
         except Exception as exc:
             pending = exc
-        if pending is not None:
-            rt.recover(pending)  # re-raises what cannot be recovered
-            return
-        if self.position is not None and self.active and self.position.at_pass_end():
-            self._deferred = step  # ended at the next pass (see before_pass)
-            return
-        rt.end_step(step)
+        if pending is None:
+            if self.position is not None and self.active and self.position.at_pass_end():
+                self._deferred = step  # ended at the next pass (see before_pass)
+                return
+            try:
+                rt.end_step(step)  # waits for the previous round: a failure shows here too
+                return
+            except Exception as exc:
+                pending = exc
+        rt.recover(pending)  # re-raises what cannot be recovered
 

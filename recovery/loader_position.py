@@ -113,7 +113,10 @@ class LoaderPosition:
 
     def __init__(self, loader: Any, base: type) -> None:
         self.loader, self.base = loader, base
-        self.native = is_stateful(loader)  # StatefulDataLoader, CachedLoader
+        # Its own state puts a CachedLoader back exactly. A StatefulDataLoader's own
+        # state resumes its sampler but not its workers' random streams (a random
+        # augmentation differs after a resume): it is replayed like a plain DataLoader.
+        self.native = is_stateful(loader) and not isinstance(loader, DataLoader)
         self.hooks: PassHooks = _NoHooks()
         self.passes = 0  # iterators opened so far
         self.yielded = 0  # batches the current pass handed out

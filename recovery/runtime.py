@@ -203,7 +203,7 @@ class Checkpointless:
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``for epoch in cl.epochs(N):`` from the restored epoch; ends by :meth:`finish`.
-        With :meth:`training_step` and the loader's own ``for batch in data`` (recovery.epoch_loop)."""
+        With :meth:`training_step` and ``for batch in data`` (:mod:`recovery.epoch_loop`)."""
         return self.loop.epochs(num_epochs)
 
     def training_step(self) -> AbstractContextManager[int]:
