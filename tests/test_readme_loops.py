@@ -1,7 +1,9 @@
-"""The README's two training loops run as written, under the launcher.
+"""Every Python block of the README runs as written.
 
-Each Python block of "Make a plain PyTorch loop recoverable" and "Keep your DDP loop"
-is extracted from README.md and run with a prelude that defines only the names the
+The two training loops ("Make a plain PyTorch loop recoverable", "Keep your DDP loop")
+run under the launcher with a worker killed; the replacement snippet runs as a plain
+script, as a first process and as a replacement. Each is extracted from README.md and
+run with a prelude that defines only the names the
 README leaves to the reader (``MyDataset``, ``dataset``, ``build_model``, ``loss_fn``)
 and the imports it assumes. A snippet that stops working, or drifts from the API, fails
 here.
@@ -62,3 +64,24 @@ def test_the_readme_loop_runs_as_written(tmp_path, section):
     assert job.events("recovery"), job.output()
     done = job.events("worker_done")
     assert sorted(e["step"] for e in done if "step" in e)[-1] == 40, job.output()
+
+
+@pytest.mark.parametrize("replacement", ["0", "1"])
+def test_the_replacement_snippet_runs_as_written(tmp_path, replacement):
+    """The third Python block (skip initialisation in a replacement) builds a model
+    whose parameters live on the CPU either way (values arrive later in a replacement)."""
+    import os
+    import subprocess
+    import sys
+
+    from replication.contract import ENV_REPLACEMENT
+
+    code = _snippet("so skip expensive initialisation there")
+    assert "is_replacement" in code, code
+    script = tmp_path / "snippet.py"
+    script.write_text(PRELUDE + "\n" + code + "\nassert next(model.parameters()).device.type"
+                      " == 'cpu'\nprint('ok', next(model.parameters()).shape)\n")
+    env = {**os.environ, ENV_REPLACEMENT: replacement, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
