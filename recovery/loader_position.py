@@ -95,17 +95,14 @@ def open_from(create: Any, creation_rng: Any) -> tuple[Iterator[Any], torch.Tens
         torch.set_rng_state(current)
 
 
-def refusal(name: str, obj: Any) -> str:
-    """The one line that says why ``obj`` cannot be registered as ``name``, and the fix."""
+def refusal(obj: Any) -> str:
+    """The one line that says why ``obj`` cannot be the loader, and the fix (other
+    entries are refused by :meth:`TrainingState.register`, which names theirs)."""
     kind = type(obj).__qualname__
-    if name == "loader":
-        return (f"state 'loader' ({kind}) has no state_dict/load_state_dict and is not "
-                f"{ACCEPTED}: pass one of those (e.g. DataLoader(dataset, batch_size=..., "
-                "sampler=DistributedSampler(dataset))), or give {kind} state_dict() and "
-                "load_state_dict() that save and restore its position")
-    return (f"state {name!r} ({kind}) has no state_dict/load_state_dict: register an object "
-            "that has them (modules, optimizers, LR schedulers and GradScaler do), or "
-            f"give {kind} state_dict() and load_state_dict()")
+    return (f"state 'loader' ({kind}) has no state_dict/load_state_dict and is not "
+            f"{ACCEPTED}: pass one of those (e.g. DataLoader(dataset, batch_size=..., "
+            f"sampler=DistributedSampler(dataset))), or give {kind} state_dict() and "
+            "load_state_dict() that save and restore its position")
 
 
 class LoaderPosition:
@@ -254,7 +251,7 @@ def track(loader: Any) -> Any:
     if not _accepted(loader):
         if is_stateful(loader):
             return loader
-        raise StateRegistrationError(refusal("loader", loader))
+        raise StateRegistrationError(refusal(loader))
     cls = type(loader)
     position = LoaderPosition(loader, cls)
     loader._checkpointless_position = position
