@@ -14,11 +14,11 @@ step:
 
 Each job runs every point of the sweep: state bytes per rank over step time from 0.05
 to 2 GB/s (:data:`RATES`), snapshots every step (``every1``) and every N steps
-(``everyN``). On cpu steps a fourth job, **k2auto**, runs k2 with
-``replication.every_n_steps=auto`` exactly as a user would: the runtime
-(:mod:`recovery.auto_interval`) measures its own costs, agrees on N for
-``replication.max_overhead`` (0.02) and applies it; the bench only times the steps and
-reads the choices from the run's ``auto_interval`` events. The kinds of step are
+(``everyN``). A fourth job, **default**, runs with no settings at all, exactly as a
+user who knows none of the keys would: ``replication.every_n_steps`` is ``auto`` by
+default (ADR 0032), so the runtime (:mod:`recovery.auto_interval`) measures its own
+costs, agrees on N for ``replication.max_overhead`` (0.02) and applies it; the bench only
+times the steps and reads the choices from the run's ``auto_interval`` events. The kinds of step are
 ``cpu`` (real compute on the host's cores, shared with the runtime) and ``device`` (the
 host waits natively for an emulated device; see the worker's docstring and
 docs/performance.md).
@@ -32,11 +32,14 @@ Figures (overhead = mean step time of the runtime's phase / plain's same phase -
   from a host whose cores all train, and far less sensitive to other load on the host;
 - ``overhead_plain_k2_nosnap_<kind>``: the runtime with no snapshot at all (its per-step
   bookkeeping: step boundary checks, events) at 0.5 GB/s;
-- ``overhead_plain_auto_cpu``: the k2auto job against plain (the median over whole
-  intervals, from step :data:`AUTO_WARM` on, of their mean step time,
-  ``auto_intervals_timed`` of them); ``auto_interval_steps``, ``auto_budget``,
-  ``auto_reasons`` (the runtime's own); ``overhead_auto_cpu_same_run``: the same against
-  that job's own steps without a snapshot;
+- ``overhead_plain_default_<kind>``: the default job against plain, every step of it
+  from its first (the probe's 64 steps at every 8 included) in the mean: what a user
+  pays over a run of :data:`DEFAULT_STEPS` steps; ``overhead_plain_default_steady_<kind>``:
+  the median over whole intervals, from step :data:`AUTO_WARM` on, of their mean step
+  time (``default_intervals_timed_<kind>`` of them): the cost once the interval is
+  chosen; ``default_interval_steps_<kind>``, ``auto_budget``,
+  ``default_reasons_<kind>`` (the runtime's own); ``overhead_default_<kind>_same_run``:
+  the steady figure against that job's own steps without a snapshot;
 - ``profile_k2_every1_<kind>``: where a k=2 round's time goes at 0.5 GB/s, per
   snapshot (ms): the loop's own stall (capture, wait for the previous round, fence),
   and on the round's thread the overlapped copy + hash (seal), the announce allgather,
@@ -45,7 +48,10 @@ Figures (overhead = mean step time of the runtime's phase / plain's same phase -
   the round's CPU time taken from the step: thread contention);
 - the goodput model (:mod:`benchmarks.goodput_model`) fed with these measurements and
   with the restart/recovery times of ``bench_recovery`` from
-  ``benchmarks/results/latest.json``: ``crossover_mtbf_s``, ``goodput_ratio_at_mtbf_3h``,
+  ``benchmarks/results/latest.json``: ``crossover_mtbf_s``, ``goodput_ratio_at_mtbf_3h``
+  (the default settings, at the steady state where the runtime has learnt the job's
+  failure rate), ``goodput_ratio_at_mtbf_3h_estimate_x0.5`` / ``_x2`` (its estimate off
+  by 2x), ``goodput_ratio_at_mtbf_3h_budget_only`` (no MTBF used at all),
   ``goodput_curve`` (a few points), and ``docs/img/goodput_vs_mtbf.png`` with ``--plot``;
 - ``load_avg_1m``: the 1-minute load average before and after each job (timings taken
   under load are not comparable: this host has 2 cores and may be shared).
@@ -74,8 +80,11 @@ RATES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 QUICK_RATES = (0.1, 0.5, 2.0)
 KEY_RATE = 0.5
 AUTO_WARM = 96
-"""Steps of the ``auto`` job not timed: the policy's probe (48 steps) and its first
-agreement (global step 64, ``recovery.auto_interval.AGREE_EVERY``), with margin."""
+"""Steps of the default job left out of its steady figure: the policy's probe (48
+steps) and its first agreement (global step 64, ``recovery.auto_interval.AGREE_EVERY``),
+with margin."""
+DEFAULT_STEPS = (384, 1120)
+"""The default job's steps (quick, full), its probe included."""
 AUTO_BUDGET = 0.02  # replication.max_overhead, its default
 """GB/s per rank of the headline keys (real LLM training under FSDP: 0.1 to 1)."""
 WORKER = str(REPO / "benchmarks" / "overhead_worker.py")
@@ -149,13 +158,12 @@ def phases_for(kind: str, state_bytes: int, rates: tuple[float, ...], every_n: i
             out.append({**base, "name": f"dcp_{rate}", "every": 0, "dcp_every": dcp_every,
                         "only": ["plain"],
                         "warm": 2, "steps": dcp_every * (3 if quick else 8)})
-            if kind == "cpu":
-                # ``replication.every_n_steps: auto`` as a user runs it: a job of its own
-                # (the runtime probes from its first step, agrees at step 64 and every
-                # 64 steps after), timed from step AUTO_WARM on, in whole intervals.
-                out.append({**base, "name": f"auto_{rate}", "every": -2,
-                            "only": ["k2auto"],  # plain: its 0.5 GB/s phases are the reference
-                            "warm": AUTO_WARM, "steps": 384 if quick else 1024})
+            # No settings at all, as a user runs it: a job of its own (the runtime probes
+            # from its first step, agrees at step 64 and every 64 steps after); every
+            # step is timed, the probe's too.
+            out.append({**base, "name": f"default_{rate}", "every": -2,
+                        "only": ["default"],  # plain: its 0.5 GB/s phases are the reference
+                        "warm": 0, "steps": DEFAULT_STEPS[0 if quick else 1]})
     return out
 
 
@@ -177,12 +185,14 @@ def run_job(mode: str, kind: str, out: Path, phases: list[dict], args: argparse.
     else:
         port = free_port()
         run_dir = out / f"run_{tag}"
-        factor = mode[1]  # k1, k2, k2auto
-        auto = ["replication.every_n_steps=auto", f"replication.max_overhead={AUTO_BUDGET}"]
+        # k1 and k2 pin the factor and the interval (the phases ask for snapshots); the
+        # default job sets nothing (the launcher's own flags only).
+        settings = [] if mode == "default" else [
+            f"replication.factor={mode[1]}", "replication.every_n_steps=1",
+            "recovery.heartbeat_timeout_s=60"]
         launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
                   f"127.0.0.1:{port}", "--rdzv-id", f"ovh-{tag}-{port}", "--run-dir",
-                  str(run_dir), "--spares", "0", f"replication.factor={factor}",
-                  "recovery.heartbeat_timeout_s=60", *(auto if mode.endswith("auto") else [])]
+                  str(run_dir), *settings]
         procs = [subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "--node-rank",
                                    str(n), *launch, WORKER, "--mode", "runtime",
                                    *(["--profile"] if args.profile else []), *common],
@@ -195,7 +205,7 @@ def run_job(mode: str, kind: str, out: Path, phases: list[dict], args: argparse.
     loads.append({"job": tag, "before": round(load0, 2), "after": round(os.getloadavg()[0], 2),
                   "wall_s": round(time.perf_counter() - t0, 1)})
     result = json.loads((out / f"phases_{tag}.json").read_text())
-    if mode.endswith("auto"):  # the runtime's own account of its choices
+    if mode == "default":  # the runtime's own account of its choices
         events = read_events(out / f"run_{tag}" / "events.jsonl")
         result["auto_events"] = [e for e in events if e.get("event") == Event.AUTO_INTERVAL
                                  and e.get("rank") == 0]
@@ -233,8 +243,7 @@ def overheads(plain: dict, runs: dict[str, dict]) -> dict:
         for p in res["phases"]:
             if p["name"].startswith("dcp_") or p["name"] == "warmup":
                 continue
-            step = interval_step_s(p["times"], p["snaps"]) if p["name"].startswith(
-                "auto") else mean(p["times"])
+            step = mean(p["times"])  # the default job's: every step, the probe's too
             out[f"{mode}_{p['name']}"] = step / ref[p["name"].split("_", 1)[1]] - 1
     return out
 
@@ -249,6 +258,28 @@ def plain_refs(plain: dict) -> dict[str, float]:
             continue
         by_rate.setdefault(p["name"].split("_", 1)[1], []).extend(p["times"])
     return {rate: mean(ts) for rate, ts in by_rate.items()}
+
+
+def default_figures(job: dict, kind: str, ref: float) -> dict:
+    """The default job's figures (see the module docstring), ``ref``: plain's mean step
+    at the same rate."""
+    ph = next(p for p in job["phases"] if p["name"] == f"default_{KEY_RATE}")
+    chosen = job.get("auto_events", [])
+    times, snaps = ph["times"][AUTO_WARM:], ph["snaps"][AUTO_WARM:]
+    steady = interval_step_s(times, snaps)
+    out = {f"overhead_plain_default_{kind}": mean(ph["times"]) / ref - 1,
+           f"overhead_plain_default_steady_{kind}": steady / ref - 1,
+           f"default_interval_steps_{kind}": ph.get("auto_every"),
+           f"default_intervals_timed_{kind}": max(0, sum(snaps) - 1),
+           f"default_steps_{kind}": len(ph["times"]),
+           f"default_reasons_{kind}": [f"step {e['step']}: every {e['every_n_steps']} steps: "
+                                       + "; ".join(e.get("reasons", [])) for e in chosen
+                                       if e.get("tier", "replication") == "replication"],
+           "auto_budget": AUTO_BUDGET}
+    own = [t for t, s, prev in zip(times, snaps, [True, *snaps[:-1]]) if not s and not prev]
+    if own:  # the same job's steps without a snapshot: the runtime's own reference
+        out[f"overhead_default_{kind}_same_run"] = steady / median(own) - 1
+    return out
 
 
 def profile_of(phase: dict, plain_step_s: float) -> dict:
@@ -346,16 +377,16 @@ def main(argv: list[str] | None = None) -> None:
             phases = phases_for(kind, state_bytes, cpu_rates if kind == "cpu" else rates,
                                 args.every_n, batches, q, args.dcp_every)
             res = {}
-            # k2auto right after plain: its figure is the smallest (a 2 % budget), so the
-            # host's drift between the two jobs would weigh most on it.
-            for mode in ("plain", *(["k2auto"] if kind == "cpu" else []), "k1", "k2"):
+            # The default job right after plain: its figure is the smallest (a 2 %
+            # budget), so the host's drift between the two jobs would weigh most on it.
+            for mode in ("plain", "default", "k1", "k2"):
                 progress(f"{kind}: {mode} ({len(phases)} phases)")
                 out = Path(tmp) / f"{mode}_{kind}"
                 out.mkdir()
-                # k2auto runs only its own phase (after the warm-up): the sweep's fixed
-                # intervals mean nothing under auto, and k2 already times them.
-                mine = [p for p in phases if mode != "k2auto"
-                        or p["name"] == "warmup" or p["name"].startswith("auto_")]
+                # The default job runs only its own phase (after the warm-up): the
+                # sweep's fixed intervals mean nothing under auto, and k2 times them.
+                mine = [p for p in phases if mode != "default"
+                        or p["name"] == "warmup" or p["name"].startswith("default_")]
                 res[mode] = run_job(mode, kind, out, mine, args, loads)
             per_kind[kind] = res
     result["load_avg_1m"] = loads
@@ -363,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for kind, res in per_kind.items():
         plain = {p["name"]: p for p in res["plain"]["phases"]}
-        ovh = overheads(res["plain"], {m: res[m] for m in ("k1", "k2", "k2auto") if m in res})
+        ovh = overheads(res["plain"], {m: res[m] for m in ("k1", "k2", "default") if m in res})
         for key, v in ovh.items():
             mode, rest = key.split("_", 1)
             every, rate = rest.split("_")
@@ -393,22 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         result[f"dcp_save_cost_s_{kind}"] = (mean(dcp_ph["times"]) - key_plain) * args.dcp_every
         result[f"k2_snapshot_cost_s_{kind}"] = ovh[f"k2_everyN_{KEY_RATE}"] * key_plain * \
             args.every_n
-        if kind == "cpu":
-            auto = next(p for p in res["k2auto"]["phases"] if p["name"] == f"auto_{KEY_RATE}")
-            chosen = res["k2auto"].get("auto_events", [])
-            result.update(
-                overhead_plain_auto_cpu=ovh[f"k2auto_auto_{KEY_RATE}"],
-                auto_interval_steps=auto.get("auto_every"),
-                auto_budget=AUTO_BUDGET,
-                auto_reasons=[f"step {e['step']}: every {e['every_n_steps']} steps: "
-                              + "; ".join(e.get("reasons", [])) for e in chosen],
-            )
-            own = [t for t, s, prev in zip(auto["times"], auto["snaps"],
-                                           [True, *auto["snaps"][:-1]]) if not s and not prev]
-            if own:  # the same job's steps without a snapshot: the runtime's own reference
-                result["overhead_auto_cpu_same_run"] = (
-                    interval_step_s(auto["times"], auto["snaps"]) / median(own) - 1)
-            result["auto_intervals_timed"] = max(0, sum(auto["snaps"]) - 1)
+        result.update(default_figures(res["default"], kind, ref=key_plain))
 
     # -- where it pays: the goodput model, fed with this run's figures, per kind --------
     rec = recovery_inputs()
@@ -428,6 +444,12 @@ def main(argv: list[str] | None = None) -> None:
         result[f"goodput_model_inputs{sfx}"] = dict(m.__dict__)
         result[f"crossover_mtbf_s{sfx}"] = goodput_model.crossover_mtbf_s(m)
         result[f"goodput_ratio_at_mtbf_3h{sfx}"] = goodput_model.ratio_at(m, 3 * HOUR)
+        # how much the runtime's MTBF estimate matters (ADR 0032), and the old default
+        # (no MTBF at all: the budget's shortest interval whatever the failure rate)
+        for label, f in (("estimate_x0.5", 0.5), ("estimate_x2", 2.0), ("budget_only", None)):
+            off = goodput_model.Measured(**{**m.__dict__, "cl_mtbf_factor": f})
+            result[f"goodput_ratio_at_mtbf_3h_{label}{sfx}"] = goodput_model.ratio_at(
+                off, 3 * HOUR)
         result[f"goodput_curve{sfx}"] = {
             label: {"checkpointless": round(goodput_model.checkpointless(m, s)[0], 5),
                     "dcp": round(goodput_model.dcp(m, s)[0], 5),

@@ -13,9 +13,14 @@ time on average (a Poisson process, one failure at a time):
   ``c`` seconds (measured against plain training), so ``o = c / (n t)``. A failure
   costs the in-process recovery time ``R_cl`` plus the work since the newest committed
   step: half an interval on average, plus one step because a round commits while the
-  next step runs (``n t / 2 + t``). ``n`` is what ``every_n_steps: auto`` picks at that
-  MTBF (:func:`recovery.interval_policy.choose_interval`: the budget's shortest
-  interval, or Daly's optimum when that is longer).
+  next step runs (``n t / 2 + t``). ``n`` is what ``every_n_steps: auto`` (the default)
+  picks (:func:`recovery.interval_policy.choose_interval`): Daly's optimum for the MTBF
+  the runtime works with, when that is longer than the budget's shortest interval. With
+  the default settings that MTBF is learnt: the observed rate of the job's failures
+  (ADR 0032), which a long job knows well: ``cl_mtbf_factor`` 1 (the default) models
+  that steady state; other factors model an estimate that far off (0.5: failures
+  thought twice as frequent), ``None`` a runtime that uses no MTBF at all (the budget's
+  interval whatever the failure rate).
 - **torchrun + DCP async** saves every ``tau`` seconds at Daly's optimum for its
   measured per-save cost ``d`` (``o = d / tau``); a failure costs a full restart
   ``R_dcp`` (new processes, imports, process groups, checkpoint load) plus ``tau / 2``.
@@ -46,6 +51,8 @@ class Measured:
     dcp_save_cost_s: float  # training time one DCP async_save adds
     dcp_restart_s: float  # torchrun full restart: kill -> training again, lost work excluded
     budget: float = 0.02
+    cl_mtbf_factor: float | None = 1.0
+    """The MTBF the runtime chooses for over the true one (None: it uses none)."""
 
 
 def goodput(overhead: float, lost_per_failure_s: float, mtbf_s: float) -> float:
@@ -54,10 +61,12 @@ def goodput(overhead: float, lost_per_failure_s: float, mtbf_s: float) -> float:
 
 
 def checkpointless(m: Measured, mtbf_s: float) -> tuple[float, int]:
-    """Goodput and the interval ``every_n_steps: auto`` picks with this MTBF given."""
+    """Goodput and the interval ``every_n_steps: auto`` picks (for the MTBF the runtime
+    works with: ``mtbf_s`` times ``m.cl_mtbf_factor``)."""
+    f = m.cl_mtbf_factor
     ch = choose_interval(step_s=m.step_s, snapshot_cost_s=m.cl_snapshot_cost_s,
                          budget=m.budget, round_s=m.cl_round_s,
-                         recovery_s=m.cl_recovery_s, mtbf_s=mtbf_s)
+                         recovery_s=m.cl_recovery_s, mtbf_s=None if f is None else mtbf_s * f)
     n = ch.every_n_steps
     lost = m.cl_recovery_s + n * m.step_s / 2 + m.step_s
     return goodput(max(m.cl_snapshot_cost_s, 0.0) / (n * m.step_s), lost, mtbf_s), n

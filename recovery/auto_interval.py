@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from recovery.events import Event
-from recovery.interval_policy import Choice, IntervalPolicy, SavePolicy
+from recovery.interval_policy import ASSUMED_MTBF_S, Choice, IntervalPolicy, SavePolicy
 
 AGREE_EVERY = 64
 """Global steps between agreements (the probe's interval divides it)."""
@@ -55,9 +55,13 @@ class AutoInterval:
     """The runtime's side of ``every_n_steps: auto`` (see the module docstring)."""
 
     def __init__(self, settings: Any, rank: int, log: Any,
-                 agree: Callable[[torch.Tensor], None]) -> None:
-        """``agree(t)``: all-reduce ``t`` with MAX over the training group, waiting."""
+                 agree: Callable[[torch.Tensor], None],
+                 failures: Callable[[], int] = lambda: 0) -> None:
+        """``agree(t)``: all-reduce ``t`` with MAX over the training group, waiting;
+        ``failures()``: failures the job has recovered from so far (its generation)."""
         self.settings, self.rank, self.log, self.agree = settings, rank, log, agree
+        self.failures = failures
+        self._t0 = time.monotonic()  # the job's start, as this rank knows it
         rep, per = settings.replication, settings.persistence
         self.policy: IntervalPolicy | None = None  # the snapshot interval's
         if rep.every_n_steps == "auto":
@@ -81,30 +85,37 @@ class AutoInterval:
 
     @classmethod
     def from_settings(cls, settings: Any, rank: int, log: Any, state: Any,
-                      agree: Callable[[torch.Tensor], None]) -> AutoInterval | None:
+                      agree: Callable[[torch.Tensor], None],
+                      failures: Callable[[], int] = lambda: 0) -> AutoInterval | None:
         """An adapter registered in ``state`` when the recipe says ``auto`` for either
         tier, else None (fixed numbers). Its entry is exempt from the replay check (a
         replayed step may measure other costs and agree on another interval, by design)
         and optional (a durable checkpoint of a job without it still resumes)."""
+        if rank == 0:
+            print(f"checkpointless: {startup_line(settings)}", file=sys.stderr, flush=True)
         if "auto" not in (settings.replication.every_n_steps,
                           settings.persistence.every_n_steps):
             return None
-        adapter = cls(settings, rank, log, agree)
+        adapter = cls(settings, rank, log, agree, failures)
         state.register("_auto_interval", adapter)
         state.exempt_from_replay_check("_auto_interval")
         state.mark_optional("_auto_interval")
         return adapter
 
     # -- part of the training state: the intervals in force -----------------------------
-    def state_dict(self) -> dict[str, int]:
-        sd = {}
+    def state_dict(self) -> dict[str, float]:
+        sd: dict[str, float] = {"elapsed_s": time.monotonic() - self._t0}
         if self.policy is not None:
             sd["every_n_steps"] = int(self.settings.replication.every_n_steps)
         if self.saves is not None:
             sd["persist_every_n_steps"] = int(self.settings.persistence.every_n_steps)
         return sd
 
-    def load_state_dict(self, sd: dict[str, int]) -> None:
+    def load_state_dict(self, sd: dict[str, float]) -> None:
+        # A replacement learns how long the job has run (the MTBF estimate's time); a
+        # survivor's own clock is already longer than the snapshot's.
+        if "elapsed_s" in sd:
+            self._t0 = min(self._t0, time.monotonic() - float(sd["elapsed_s"]))
         # A key is missing when the snapshot comes from a job whose tier was not auto.
         if self.policy is not None and "every_n_steps" in sd:
             self.settings.replication.every_n_steps = int(sd["every_n_steps"])
@@ -153,7 +164,23 @@ class AutoInterval:
             self.saves.save_done(t.step, t.busy_s if status == "ok" else None)
         self._saving = writer.busy_step
 
+    def mtbf(self) -> tuple[float, str]:
+        """The MTBF the snapshot interval is chosen for, and where it came from:
+        ``recovery.mtbf_s`` when set; else, once failures were seen, their observed rate
+        (the job's time over their count, the rate's maximum-likelihood estimate);
+        before that, :data:`~recovery.interval_policy.ASSUMED_MTBF_S` (ADR 0032)."""
+        given = self.settings.recovery.mtbf_s
+        if given:
+            return float(given), " (recovery.mtbf_s)"
+        k, elapsed = self.failures(), time.monotonic() - self._t0
+        if k <= 0:
+            return ASSUMED_MTBF_S, (" (assumed: no failure seen yet; recovery.mtbf_s "
+                                    "sets it)")
+        return max(elapsed / k, 1.0), f" (observed: {k} failure(s) in {elapsed:.0f} s)"
+
     def _agree(self, step: int, durable: Any) -> None:
+        if self.policy is not None:
+            self.policy.mtbf_s, self.policy.mtbf_note = self.mtbf()
         rep_local = (self.policy.propose()
                      if self.policy is not None and self.policy.probed else None)
         if self.saves is not None and durable is not None:
@@ -191,8 +218,40 @@ class AutoInterval:
                       reasons=list(choice.reasons), **extra)
         if self.rank == 0:
             what = "snapshot interval" if tier == REPLICATION else "durable save interval"
-            print(f"checkpointless: {what} at step {step}: {choice.text}",
+            rework = f"; {replayed(choice.every_n_steps)}" if tier == REPLICATION else ""
+            print(f"checkpointless: {what} at step {step}: {choice.text}{rework}",
                   file=sys.stderr, flush=True)
+
+
+def replayed(every_n_steps: int) -> str:
+    """What a failure costs in steps at this interval: the steps done since the newest
+    committed snapshot are replayed, between none and ``n - 1`` of them, ``(n - 1) / 2``
+    on average when failures land at random (plus the step the failure interrupted)."""
+    n = max(1, int(every_n_steps))
+    if n == 1:
+        return "a failure replays no completed step"
+    return f"a failure replays up to {n - 1} steps, {(n - 1) / 2:g} on average"
+
+
+def startup_line(settings: Any) -> str:
+    """The console line rank 0 prints at start-up: the snapshot interval and why, and
+    what it means for a failure (ADR 0032). Under ``auto`` the interval is not known
+    yet: the line says how it will be chosen and what the probe's steps run at."""
+    rep = settings.replication
+    if rep.every_n_steps != "auto":
+        n = int(rep.every_n_steps)
+        return (f"snapshot interval: every {n} step{'s' if n > 1 else ''} "
+                f"(replication.every_n_steps={n}); {replayed(n)}")
+    probe = IntervalPolicy().probe_every
+    mtbf = settings.recovery.mtbf_s
+    job = (f"recovery.mtbf_s={mtbf:g} s" if mtbf else
+           f"the job's MTBF (assumed {ASSUMED_MTBF_S / 3600:g} h until failures are seen, "
+           "then their observed rate; recovery.mtbf_s sets it)")
+    goal = (f"Daly's optimum for {job}, never adding more than {rep.max_overhead:.1%} "
+            "to a step (replication.max_overhead)")
+    return (f"snapshot interval: auto: every {probe} steps while the first {AGREE_EVERY} "
+            f"measure what a snapshot costs ({replayed(probe)}), then {goal}; "
+            "replication.every_n_steps=N fixes it")
 
 
 def durable_mtbf(settings: Any) -> tuple[float | None, str]:

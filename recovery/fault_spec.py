@@ -3,8 +3,9 @@
 Tests, benchmarks and users name faults as ``rank:step:phase[:kind]`` (several joined
 by ``;``) in ``recovery.fault`` or the ``CHECKPOINTLESS_RECOVERY_FAULT`` variable.
 Phases: ``step`` (start of the step), ``forward``, ``backward``, ``optimizer``,
-``snapshot``, ``replication`` and ``recovery`` (the first recovery this rank enters
-from one step before its step on). Kinds: ``sigkill``
+``snapshot`` and ``replication`` (the first snapshot at or after its step: which steps
+are snapshotted is the interval's choice) and ``recovery`` (the first recovery this rank
+enters from one step before its step on). Kinds: ``sigkill``
 (default), ``sigstop`` (a hang), ``exception`` and ``node`` (the rank's whole node:
 its agent and every process in the agent's process group).
 """

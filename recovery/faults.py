@@ -2,7 +2,8 @@
 
 The syntax (``rank:step:phase[:kind]``, several joined by ``;``) is parsed in
 :mod:`recovery.fault_spec`. Each fault fires once per job, decided by an atomic counter
-in the store, so the replay of a rolled-back step does not fire it again.
+in the store, so the replay of a rolled-back step does not fire it again. A
+``snapshot`` or ``replication`` fault fires at the first snapshot at or after its step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from recovery.events import Event
 from recovery.fault_spec import FaultSpec
 from recovery.protocol import fault_key
 from replication.commit import committed_step
+
+SNAPSHOT_PHASES = ("snapshot", "replication")
+"""Phases reported only at snapshotted steps: a fault there fires at the first snapshot
+at or after its step (``replication.every_n_steps: auto``, the default, chooses which
+steps those are while the job runs), and its event names the step it fired at."""
 
 
 class FaultInjector:
@@ -41,7 +47,7 @@ class FaultInjector:
         step = self.step if step is None else step
         for spec in self.specs:
             if spec.phase == phase and self._due(spec, step) and self._claim(spec):
-                self._fire(spec)
+                self._fire(spec, step)
 
     @staticmethod
     def _due(spec: FaultSpec, step: int) -> bool:
@@ -51,14 +57,17 @@ class FaultInjector:
         would leave the fault to timing (it did: 1 run in 5 missed it under load)."""
         if spec.phase == "recovery":
             return step >= spec.step - 1
+        if spec.phase in SNAPSHOT_PHASES:
+            return step >= spec.step
         return step == spec.step
 
     def _claim(self, spec: FaultSpec) -> bool:
         return self.store.add(fault_key(str(spec)), 1) == 1
 
-    def _fire(self, spec: FaultSpec) -> None:
+    def _fire(self, spec: FaultSpec, step: int) -> None:
         if self.log is not None:
-            self.log.emit(Event.FAULT_INJECTED, fault=str(spec), rank=spec.rank, step=spec.step,
+            at = step if spec.phase in SNAPSHOT_PHASES else spec.step  # where it fired
+            self.log.emit(Event.FAULT_INJECTED, fault=str(spec), rank=spec.rank, step=at,
                           phase=spec.phase, kind=spec.kind,
                           committed=self.committed())
         if spec.kind == "exception":

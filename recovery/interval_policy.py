@@ -47,6 +47,14 @@ DEFAULT_BUDGET = 0.02
 DEFAULT_SAVE_BUDGET = 0.01
 """``persistence.max_overhead``'s default: 1 % of step time for durable saves."""
 
+ASSUMED_MTBF_S = 3 * 3600.0
+"""The job's MTBF ``every_n_steps: auto`` assumes while it has seen no failure and
+``recovery.mtbf_s`` is unset (ADR 0032): about the rate published for a large job (Meta's
+Llama 3 405B on 16,384 GPUs: 419 unexpected interruptions in 54 days, one every 3.1 h).
+Assuming failures more often than they come costs little (a snapshot's cost spread over
+Daly's interval for it, well under the budget); assuming them rarer would cost a long
+replay on each. Once failures are seen, their observed rate replaces it."""
+
 MAX_INTERVAL = 10_000
 """The longest interval chosen: beyond it the in-memory copy is rarely fresh enough to
 be worth keeping, and a misestimated cost cannot push snapshots off entirely."""
@@ -180,6 +188,8 @@ class IntervalPolicy:
 
     budget: float = DEFAULT_BUDGET
     mtbf_s: float | None = None
+    mtbf_note: str = ""
+    """Where ``mtbf_s`` came from, for the reasons (the caller may update both)."""
     recovery_s: float = 0.0
     probe_every: int = 8
     probe_steps: int = 48
@@ -258,7 +268,7 @@ class IntervalPolicy:
         rnd = _median(list(self._rounds)[-self.window:]) if self._rounds else 0.0
         return choose_interval(step_s=base, snapshot_cost_s=cost, budget=self.budget,
                                round_s=rnd, recovery_s=self.recovery_s, mtbf_s=self.mtbf_s,
-                               max_interval=self.max_interval)
+                               max_interval=self.max_interval, mtbf_note=self.mtbf_note)
 
     def adopt(self, every_n_steps: int, local: Choice | None = None) -> Choice | None:
         """Put the agreed interval in force; returns the new choice when it changed.

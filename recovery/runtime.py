@@ -103,7 +103,7 @@ class Checkpointless:
                                      f"rank{self.rank}")
         self.auto_interval = AutoInterval.from_settings(  # every_n_steps: auto (either tier)
             self.settings, self.rank, self.log, self.state, lambda t: self.wait(
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)))
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)), lambda: self.gen)
         # Store values that fail the job-key check are ignored and reported here.
         auth.set_reporter(lambda **f: self.log.emit(Event.AUTH_REJECTED, rank=self.rank, **f))
         self.store = self._connect_store()

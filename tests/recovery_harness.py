@@ -15,6 +15,7 @@ training script writes and the events file (``recovery.protocol.read_events``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -300,8 +301,9 @@ def assert_recovered(
     """The events show the injected fault(s), a recovery, and no committed step lost.
 
     Every recovery's target step is >= the newest step known to be committed before the
-    first fault fired (so at most ``every_n_steps`` finished steps are replayed) and
-    not past the step the fault fired in; every rank took part in the last generation.
+    first fault fired (so at most an interval of finished steps is replayed, the one in
+    force read from the events) and not past the step the fault fired in; every rank took
+    part in the last generation.
     """
     fired = fault_events(job)
     assert len(fired) == faults, f"expected {faults} fault_injected events, got {fired}"
@@ -309,9 +311,10 @@ def assert_recovered(
     gens = sorted({int(e["gen"]) for e in recs})
     assert len(gens) >= min_recoveries, f"expected a recovery, got events {recs}\n{job.output()}"
     first = min(fired, key=lambda e: e["ts"])
-    committed = committed_lower_bound(job, float(first["ts"]), every_n_steps)
+    committed = committed_lower_bound(job, float(first["ts"]))
     fault_step = min(int(e["step"]) for e in fired)
-    assert committed >= fault_step - 2 * every_n_steps - 1, (
+    gap = max(every_n_steps, snapshot_gap(job, float(first["ts"]), fault_step))
+    assert committed >= fault_step - 2 * gap - 1, (
         f"only step {committed} known committed before a fault at step {fault_step}"
     )
     for e in recs:
@@ -337,14 +340,23 @@ def assert_recovered(
 def committed_lower_bound(job: JobResult, ts: float, every_n_steps: int = 1) -> int:
     """A lower bound of the committed step at time ``ts``, from rank 0's ``step`` events.
 
-    Rank 0 emits ``step s`` after ``maybe_snapshot(s)`` returned; the newest snapshot
-    call at or before ``s`` waited until the round of the snapshot before it committed.
-    """
-    seen = [int(e["step"]) for e in job.events("step") if float(e["ts"]) < ts]
-    if not seen:
-        return 0  # step 0 is committed before the first step runs
-    newest_snapshot = (max(seen) // every_n_steps) * every_n_steps
-    return max(0, newest_snapshot - every_n_steps)
+    Rank 0 emits ``step s`` after ``maybe_snapshot(s)`` returned, with ``stall_s`` set
+    when step ``s`` was snapshotted; that capture waited until the round of the snapshot
+    before it committed. So the second newest snapshot seen is committed (step 0 is
+    committed before the first step runs), whatever the interval (``auto`` picks it as
+    the job runs). ``every_n_steps`` is no longer needed; kept for callers."""
+    del every_n_steps
+    snaps = sorted(int(e["step"]) for e in job.events("step")
+                   if float(e["ts"]) < ts and e.get("stall_s") is not None)
+    return snaps[-2] if len(snaps) >= 2 else 0
+
+
+def snapshot_gap(job: JobResult, ts: float, fault_step: int) -> int:
+    """The widest gap between rank 0's snapshots before ``ts``, the span from the last
+    of them to ``fault_step`` included (the interval in force, as the events show it)."""
+    snaps = [0, *sorted(int(e["step"]) for e in job.events("step")
+                        if float(e["ts"]) < ts and e.get("stall_s") is not None)]
+    return max(1, fault_step - snaps[-1], *(b - a for a, b in itertools.pairwise(snaps)))
 
 
 def stop_reason(job: JobResult) -> str:

@@ -40,14 +40,35 @@ def test_phases_cover_the_sweep_and_the_key_rate() -> None:
     ph = bo.phases_for("device", 10**8, (0.05, 0.5, 2.0), 8, {}, True, 8)
     names = [p["name"] for p in ph]
     assert names == ["warmup", "every1_0.05", "everyN_0.05", "every1_0.5", "everyN_0.5",
-                     "nosnap_0.5", "dcp_0.5", "every1_2.0", "everyN_2.0"]
+                     "nosnap_0.5", "dcp_0.5", "default_0.5", "every1_2.0", "everyN_2.0"]
     for p in ph:
         assert p["step_s"] == pytest.approx(10**8 / (p["rate"] * 1e9))
         if p["name"].startswith("everyN"):
             assert p["steps"] % 8 == 0
     cpu = bo.phases_for("cpu", 10**8, (0.5,), 8, {"0.5": 7}, True, 8)
-    auto = [p for p in cpu if p["name"].startswith("auto")]
-    assert len(auto) == 1 and auto[0]["every"] < 0 and auto[0]["batch"] == 7
+    default = [p for p in cpu if p["name"].startswith("default")]
+    # the runtime's own cadence, every step timed (the probe's too), only in its own job
+    assert len(default) == 1 and default[0]["every"] < 0 and default[0]["batch"] == 7
+    assert default[0]["warm"] == 0 and default[0]["only"] == ["default"]
+
+
+def test_default_figures_count_the_probe_and_the_steady_state() -> None:
+    probe = [1.5 if i % 8 == 7 else 1.0 for i in range(bo.AUTO_WARM)]  # every 8, +0.5 each
+    steady = [1.2 if i % 20 == 19 else 1.0 for i in range(200)]  # every 20, +0.2 each
+    times = probe + steady
+    snaps = [t > 1.0 for t in times]
+    job = {"phases": [{"name": f"default_{bo.KEY_RATE}", "times": times, "snaps": snaps,
+                       "auto_every": 20}],
+           "auto_events": [{"step": 64, "every_n_steps": 20, "tier": "replication",
+                            "reasons": ["why"]},
+                           {"step": 64, "every_n_steps": 40, "tier": "persistence"}]}
+    f = bo.default_figures(job, "cpu", ref=1.0)
+    assert f["overhead_plain_default_steady_cpu"] == pytest.approx(0.01)
+    assert f["overhead_plain_default_cpu"] == pytest.approx(
+        (12 * 0.5 + 10 * 0.2) / len(times))
+    assert f["overhead_default_cpu_same_run"] == pytest.approx(0.01)
+    assert f["default_interval_steps_cpu"] == 20 and f["default_steps_cpu"] == len(times)
+    assert f["default_reasons_cpu"] == ["step 64: every 20 steps: why"]
 
 
 def test_profile_splits_the_added_time_per_snapshot() -> None:
@@ -96,6 +117,21 @@ def test_dearer_snapshots_lose_at_long_mtbf() -> None:
     assert gm.ratio_at(m, 86400) < 1.0
     assert gm.ratio_at(m, 600) > 1.0
     assert gm.dcp(m, cross * 1.5)[0] > gm.checkpointless(m, cross * 1.5)[0]
+
+
+def test_the_runtimes_mtbf_estimate_sets_the_interval() -> None:
+    m = measured()
+    budget_only = gm.Measured(**{**m.__dict__, "cl_mtbf_factor": None})
+    # without an MTBF the budget's interval whatever the failure rate; with the true
+    # one, Daly's optimum (longer at long MTBF) and a better goodput there
+    assert gm.checkpointless(budget_only, 86400)[1] == gm.checkpointless(budget_only, 60)[1]
+    assert gm.checkpointless(m, 86400)[1] > gm.checkpointless(budget_only, 86400)[1]
+    assert gm.checkpointless(m, 86400)[0] > gm.checkpointless(budget_only, 86400)[0]
+    # an estimate off by 2x either way costs little (Daly's curve is flat)
+    for f in (0.5, 2.0):
+        off = gm.Measured(**{**m.__dict__, "cl_mtbf_factor": f})
+        assert gm.checkpointless(off, 10800)[0] == pytest.approx(
+            gm.checkpointless(m, 10800)[0], abs=2e-3)
 
 
 def test_the_models_snapshot_cost_is_never_below_what_was_measured_directly() -> None:

@@ -166,9 +166,12 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
             self.events.append({"event": event, **fields})
 
     settings = CheckpointlessConfig()
+    assert settings.replication.every_n_steps == "auto"  # the default (ADR 0032)
+    settings.replication.every_n_steps = 1
     assert auto_interval.AutoInterval.from_settings(
         settings, 0, Log(), TrainingState(), lambda t: None) is None  # a fixed number
     settings.replication.every_n_steps = "auto"
+    settings.recovery.mtbf_s = 1.0  # failures so frequent that the budget decides
     others = [0]  # what the other rank proposes (0: nothing measured yet)
 
     def agree(t) -> None:  # all-reduce MAX with one other rank
@@ -191,13 +194,77 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
         auto_interval.time.perf_counter = _time.perf_counter  # type: ignore[attr-defined]
     assert settings.replication.every_n_steps == 5  # 10 ms on 100 ms, 2 % budget
     assert log.events[-1]["event"] == "auto_interval" and log.events[-1]["every_n_steps"] == 5
-    assert ai.state_dict() == {"every_n_steps": 5}
+    assert ai.state_dict()["every_n_steps"] == 5
     ai.load_state_dict({"every_n_steps": 8})  # a rollback to a step before the choice
     assert settings.replication.every_n_steps == 8
     others[0] = 12  # the other rank pays more: its interval is agreed by both
     ai.after_step(2 * auto_interval.AGREE_EVERY, True, None)
     assert settings.replication.every_n_steps == 12
     assert "another rank" in " ".join(log.events[-1]["reasons"])
+
+
+def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one() -> None:
+    """With ``recovery.mtbf_s`` unset, the interval is Daly's optimum for an assumed MTBF
+    until failures are seen, then for their observed rate (ADR 0032); a replacement
+    learns how long the job has run from the state it receives."""
+    from recovery import auto_interval
+    from recovery.interval_policy import ASSUMED_MTBF_S
+    from recovery.recipe import CheckpointlessConfig
+    from replication.state import TrainingState
+
+    class Log:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def emit(self, event: str, **fields: object) -> None:
+            self.events.append({"event": event, **fields})
+
+    settings, log, failures = CheckpointlessConfig(), Log(), [0]
+    ai = auto_interval.AutoInterval.from_settings(settings, 0, log, TrainingState(),
+                                                  lambda t: None, lambda: failures[0])
+    assert ai is not None and ai.mtbf() == (ASSUMED_MTBF_S, ai.mtbf()[1])
+    clock = [0.0]
+    real = auto_interval.time.perf_counter
+    auto_interval.time.perf_counter = lambda: clock[0]  # type: ignore[attr-defined]
+    try:
+        def run(first: int, last: int) -> None:
+            for step in range(first, last + 1):
+                snap = step % settings.replication.every_n_steps == 0
+                clock[0] += 0.1 + (0.01 if snap else 0.0)
+                ai.after_step(step, snap, None)
+
+        run(1, auto_interval.AGREE_EVERY)
+        # 10 ms per snapshot on 100 ms steps: Daly for 3 h is 14.7 s of work
+        assert settings.replication.every_n_steps == 147
+        assert "assumed" in " ".join(log.events[-1]["reasons"])
+        failures[0] = 3  # three failures in the 30 s the job has run: one every 10 s
+        ai._t0 = auto_interval.time.monotonic() - 30.0
+        mtbf, note = ai.mtbf()
+        assert mtbf == pytest.approx(10.0, rel=0.05) and "observed: 3 failure(s)" in note
+        run(auto_interval.AGREE_EVERY + 1, 2 * auto_interval.AGREE_EVERY)
+        assert settings.replication.every_n_steps == 5  # the budget's: Daly's is shorter
+    finally:
+        auto_interval.time.perf_counter = real  # type: ignore[attr-defined]
+    # a replacement starts its clock from the job's time in the state it receives
+    fresh = auto_interval.AutoInterval(CheckpointlessConfig(), 1, Log(), lambda t: None)
+    fresh.load_state_dict(ai.state_dict())
+    assert auto_interval.time.monotonic() - fresh._t0 >= 30.0
+    settings.recovery.mtbf_s = 600.0  # given: used as is
+    assert ai.mtbf() == (600.0, " (recovery.mtbf_s)")
+
+
+def test_the_start_up_line_says_the_interval_and_what_a_failure_replays() -> None:
+    from recovery.auto_interval import startup_line
+    from recovery.recipe import CheckpointlessConfig
+
+    c = CheckpointlessConfig()
+    line = startup_line(c)
+    assert "auto: every 8 steps" in line and "up to 7 steps, 3.5 on average" in line
+    assert "assumed 3 h" in line and "2.0%" in line
+    c.replication.every_n_steps = 1
+    assert startup_line(c).endswith("a failure replays no completed step")
+    c.replication.every_n_steps = 10
+    assert "up to 9 steps, 4.5 on average" in startup_line(c)
 
 
 def test_a_replicator_with_more_copies_than_processes_follows_the_interval_in_force():

@@ -52,7 +52,9 @@ def test_worker_sigkill_and_node_loss_end_bit_identical(tmp_path, reference):
     recoveries resume mid-epoch and the job ends bit-identical."""
     job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=1, spare_nodes=1, script=SCRIPT,
                   script_args=ARGS, timeout_s=360,
-                  overrides=["recovery.fault=1:4:backward;2:9:backward:node", *FAST])
+                  # every step snapshotted: both targets must land mid-epoch
+                  overrides=["recovery.fault=1:4:backward;2:9:backward:node", *FAST,
+                             "replication.every_n_steps=1"])
     assert job.returncodes[1] == -9, f"node 1 should be SIGKILLed: {job.returncodes}"
     assert_succeeded(job, except_nodes=(1,))
     assert_same_final(reference, job)

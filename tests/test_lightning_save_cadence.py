@@ -42,7 +42,7 @@ DUE = [3, 7, 9, 13, 15, 18]  # multiples of 3; 6 and 12 end an epoch and slip by
 def _overrides(persist: Path, *extra: str) -> tuple[str, ...]:
     return ("recovery.heartbeat_timeout_s=10", "recovery.heartbeat_interval_s=0.5",
             f"persistence.path={persist}", "persistence.every_n_steps=3",
-            "persistence.keep_last=20", *extra)
+            "persistence.keep_last=20", "replication.every_n_steps=1", *extra)
 
 
 def _complete_steps(persist: Path) -> list[int]:

@@ -18,7 +18,10 @@ from tests.recovery_harness import REPO, assert_succeeded, run_job
 pytestmark = pytest.mark.timeout(240)
 
 SCRIPT = str(REPO / "tests" / "user_scripts" / "nanogpt_habits.py")
-FAST = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
+# Every step snapshotted: these tests name the step a fault, a drift or a replay is at
+# (the default interval, auto, probes at every 8 steps; its replays are tested elsewhere).
+FAST = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5",
+        "replication.every_n_steps=1")
 
 
 def test_only_steps_after_the_rollback_are_compared():
@@ -140,7 +143,8 @@ def test_a_replayed_step_is_printed_once(tmp_path):
     job = run_job(tmp_path / "run", nproc=2, timeout_s=90,
                   script_args=("--steps", "16", "--dim", "32", "--layers", "1", "--batch",
                                "4", "--seq-len", "16"),
-                  overrides=["recovery.fault=1:10:replication:sigkill"])
+                  overrides=["recovery.fault=1:10:replication:sigkill",
+                             "replication.every_n_steps=1"])
     assert_succeeded(job)
     [rec] = [e for e in job.events("recovery") if e["rank"] == 0]
     assert rec["target_step"] == 9, rec

@@ -38,7 +38,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from recovery import protocol
 from recovery.env import WorkerEnv
-from recovery.integrations.lightning import loop_state
+from recovery.integrations.lightning import loop_state, replayed_saves
 from recovery.integrations.lightning.checkpoint_io import (
     LATEST,
     MEMORY,
@@ -213,6 +213,8 @@ class CheckpointlessStrategy(DDPStrategy):
         if self.session is not None and self.session.faults:
             for optimizer in self.optimizers:  # new objects on every (re-)entry of fit
                 self.session.faults.install(None, optimizer)
+        if trainer.state.fn == "fit" and self.session is not None:
+            replayed_saves.install(trainer, self.session.store)
         if trainer.state.fn == "fit" and self.global_rank == 0 and trainer.loggers:
             self.gate.install(trainer.loggers)
             if self.session is not None:
@@ -235,6 +237,10 @@ class CheckpointlessStrategy(DDPStrategy):
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any = None) -> None:
+        if self.global_rank == 0 and self.session is not None and (
+                self.lightning_module is not None):
+            replayed_saves.record(self.session.store, filepath,
+                                  self.lightning_module.trainer.global_step)
         if isinstance(self.checkpoint_io, CheckpointlessCheckpointIO):
             # Every rank saves its own part: per-rank RNG streams and data positions.
             self.checkpoint_io.save_checkpoint(checkpoint, filepath,
