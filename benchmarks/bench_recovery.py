@@ -10,7 +10,9 @@ Runs the same 2-rank training job (``benchmarks/recovery_worker.py``) four ways:
    which resumes from the newest checkpoint and redoes the lost steps.
 
 Every time is measured from the kill to the moment step K has completed on every
-rank. The last stdout line is JSON.
+rank, so the steps the recovery replays count (``steps_replayed``: how many completed
+steps ran again; the interval is the default's, ``auto``, whose probe snapshots every 8
+steps, ``snapshot_interval_at_kill``). The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -82,9 +84,15 @@ def recovery_figures(out: Path, run_dir: Path, kill_step: int) -> dict:
     recs = [e for e in events if e["event"] == Event.RECOVERY]
     done = step_done_after(out, fault["ts"], kill_step)
     newcomer = next((e for e in recs if e.get("newcomer")), recs[0])
+    target = min(e["target_step"] for e in recs)
+    snaps = sorted({int(e["step"]) for e in events if e["event"] == Event.STEP
+                    and e.get("stall_s") is not None and e["ts"] < fault["ts"]})
     return {
         "seconds": done - fault["ts"],
-        "steps_lost": max(0, fault["committed"] - min(e["target_step"] for e in recs)),
+        "steps_lost": max(0, fault["committed"] - target),
+        # completed steps run again: the default interval (auto) decides how many
+        "steps_replayed": kill_step - 1 - target,
+        "snapshot_interval_at_kill": (snaps[-1] - snaps[-2]) if len(snaps) > 1 else None,
         "breakdown": {k: round(v, 4) for k, v in newcomer["timings"].items()},
         "survivor_breakdown": {
             k: round(v, 4) for k, v in next(
@@ -142,6 +150,8 @@ def measure_wrap(tmp: Path, wrap: str, worker_args: list[str], kill_step: int,
     fig = {"recovery_s": w["seconds"], "full_restart_s": full_restart_s,
            "recovery_over_restart": w["seconds"] / full_restart_s,
            "steps_lost": w["steps_lost"],
+           "steps_replayed": w["steps_replayed"],
+           "snapshot_interval_at_kill": w["snapshot_interval_at_kill"],
            "bit_identical": all(digests(r) == ref_d for r in runs),
            "baseline_bit_identical": digests(base) == ref_d,
            "breakdown_warm_newcomer": w["breakdown"],
@@ -151,6 +161,7 @@ def measure_wrap(tmp: Path, wrap: str, worker_args: list[str], kill_step: int,
         fig.update(recovery_cold_s=c["seconds"],
                    recovery_cold_over_restart=c["seconds"] / full_restart_s,
                    steps_lost=max(w["steps_lost"], c["steps_lost"]),
+                   steps_replayed_cold=c["steps_replayed"],
                    breakdown_cold_newcomer=c["breakdown"])
     return fig
 

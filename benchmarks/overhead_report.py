@@ -71,13 +71,17 @@ def tables(r: dict) -> str:
                    f"{_pct(nos)}; torchrun + DCP `async_save` costs "
                    f"{1e3 * r[f'dcp_save_cost_s_{kind}']:.1f} ms per save, a k=2 snapshot "
                    f"{1e3 * r[f'k2_snapshot_cost_s_{kind}']:.1f} ms (every-N phases).")
-    if "overhead_plain_auto_cpu" in r:
-        out.append(f"- `every_n_steps: auto` on cpu steps at 0.5 GB/s: interval "
-                   f"{r.get('auto_interval_steps')} steps, overhead "
-                   f"{_pct(r['overhead_plain_auto_cpu'])} against plain "
-                   f"({_pct(r.get('overhead_auto_cpu_same_run'))} against the same run's "
-                   f"own unsnapshotted steps), budget {r['auto_budget']:.0%}. Its reasons: "
-                   f"{'; '.join(r.get('auto_reasons') or [])}")
+    for kind in kinds:
+        if f"overhead_plain_default_{kind}" not in r:
+            continue
+        out.append(f"- {kind}: a job with no settings (the default interval, `auto`) at "
+                   f"0.5 GB/s: {_pct(r[f'overhead_plain_default_{kind}'])} against plain "
+                   f"over all its {r.get(f'default_steps_{kind}')} steps, the probe's "
+                   f"included ({_pct(r.get(f'overhead_plain_default_steady_{kind}'))} from "
+                   f"step 96 on; {_pct(r.get(f'overhead_default_{kind}_same_run'))} against "
+                   "the same run's own unsnapshotted steps); last interval "
+                   f"{r.get(f'default_interval_steps_{kind}')} steps. Its reasons: "
+                   f"{'; '.join(r.get(f'default_reasons_{kind}') or [])}")
     out.append("")
     out.append("Where a k=2 round's time goes at 0.5 GB/s per rank, per snapshot, every step "
                "(ms; the round's parts overlap the next step):")
@@ -136,11 +140,14 @@ def readme(r: dict) -> str:
         f"{_pct(r.get('overhead_k2_every1_device_2.0'))}), every 8 steps "
         f"{_pct(r.get('overhead_k2_everyN_device_2.0'))}.",
         f"- When training uses every core of the host, k=2 every step costs "
-        f"{_pct(r['overhead_plain_k2_every1_cpu'])}: set `replication.every_n_steps: auto`, "
-        "which measures the cost and picks the interval within `replication.max_overhead` "
-        f"(2 %): here every {r.get('auto_interval_steps')} steps, "
-        f"{_pct(r.get('overhead_auto_cpu_same_run'))} against the same run's own steps "
-        f"({_pct(r.get('overhead_plain_auto_cpu'))} against the plain job run before it).",
+        f"{_pct(r['overhead_plain_k2_every1_cpu'])}; the default (`replication."
+        "every_n_steps: auto`, which measures the cost and picks Daly's interval for the "
+        "job's MTBF within `replication.max_overhead`) costs "
+        f"{_pct(r.get('overhead_plain_default_cpu'))} against the plain job run before it "
+        f"(every {r.get('default_interval_steps_cpu')} steps; "
+        f"{_pct(r.get('overhead_default_cpu_same_run'))} against the same run's own "
+        "steps), and on GPU-like steps "
+        f"{_pct(r.get('overhead_plain_default_device'))}.",
         "- Against torchrun + DCP `async_save` at its optimal interval, with this host's "
         "measured recovery and restart times, checkpointless keeps more goodput "
         + ("at every MTBF from 1 minute to 24 hours" if r.get("crossover_mtbf_s") is None

@@ -126,6 +126,8 @@ class AutoInterval:
                 self.settings.replication.every_n_steps)
             self.settings.persistence.every_n_steps = -(-n // m) * m
         self._t_prev = None  # a rollback: the next step's time includes the recovery
+        if self.policy is not None:
+            self.policy.interrupted()
 
     # -- after every step --------------------------------------------------------------
     def after_step(self, step: int, snapshotted: bool, last_round: Any,
@@ -247,8 +249,8 @@ def startup_line(settings: Any) -> str:
     job = (f"recovery.mtbf_s={mtbf:g} s" if mtbf else
            f"the job's MTBF (assumed {ASSUMED_MTBF_S / 3600:g} h until failures are seen, "
            "then their observed rate; recovery.mtbf_s sets it)")
-    goal = (f"Daly's optimum for {job}, never adding more than {rep.max_overhead:.1%} "
-            "to a step (replication.max_overhead)")
+    goal = (f"Daly's optimum for {job}, adding at most {rep.max_overhead:.1%} to a step "
+            "while failures are rare (replication.max_overhead)")
     return (f"snapshot interval: auto: every {probe} steps while the first {AGREE_EVERY} "
             f"measure what a snapshot costs ({replayed(probe)}), then {goal}; "
             "replication.every_n_steps=N fixes it")

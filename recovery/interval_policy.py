@@ -131,12 +131,23 @@ def choose_interval(
     if mtbf_s is not None and mtbf_s > 0:
         tau = daly_interval_s(c, mtbf_s, recovery_s)
         n_daly = max(1, round(tau / step_s))
+        rework = n * step_s / 2 / mtbf_s  # the fraction lost to replays at interval n
         if n_daly > n:
             rec = f" and recovery of {recovery_s:.1f} s" if recovery_s > 0 else ""
             reasons.append(f"with an MTBF of {mtbf_s:.0f} s{mtbf_note}{rec}, Daly's optimum "
                            f"is {tau:.1f} s of work ({n_daly} steps), which loses less time "
                            "in all than the budget's shortest interval")
             n = n_daly
+        elif kind == "snapshot" and rework > budget and max(n_daly, n_round) < n:
+            # Failures so frequent that the budget's interval loses more to replayed
+            # work than the budget itself: its premise (little is lost) fails, and
+            # snapshotting as seldom as it says would let failures outrun the commits.
+            n_opt = max(n_daly, n_round)
+            reasons.append(f"failures come so often (an MTBF of {mtbf_s:.0f} s{mtbf_note}) "
+                           f"that replays would lose {rework:.0%} of the time at that "
+                           f"interval, more than the budget: Daly's optimum, {n_opt} "
+                           f"steps, whose {what[2:]}s add {c / (n_opt * step_s):.1%}")
+            n = n_opt
         else:
             reasons.append(f"Daly's optimum for an MTBF of {mtbf_s:.0f} s{mtbf_note} "
                            f"({n_daly} steps) would exceed the budget; the budget wins")
@@ -208,6 +219,7 @@ class IntervalPolicy:
     _interval_len: int = 0
     _last_snapshot: int = 0
     _last_eval: int = 0
+    _disturbed: bool = False
 
     @property
     def every_n_steps(self) -> int:
@@ -225,7 +237,7 @@ class IntervalPolicy:
         self._steps += 1
         if round_s is not None and round_s > 0:
             self._rounds.append(round_s)
-        if self._since_snapshot >= self.settle_steps and not snapshotted:
+        if self._since_snapshot >= self.settle_steps and not snapshotted and not self._disturbed:
             self._plain.append(step_s)
         # one sample of a snapshot's added time per completed interval
         self._interval_sum += step_s
@@ -237,8 +249,20 @@ class IntervalPolicy:
             self._interval_sum, self._interval_len = 0.0, 0
             self._since_snapshot = 0
             self._last_snapshot = self._steps
+            self._disturbed = False
         else:
             self._since_snapshot += 1
+
+    def interrupted(self) -> None:
+        """A recovery rolled the job back. The interval in progress spans the failure,
+        and the steps after it run slow (a newcomer's first steps, a spare starting on
+        the same cores): taken as samples they read as a snapshot costing many steps
+        (450 ms for a 27 ms snapshot in a chaos soak), which pushed the interval past
+        the time between failures. So no cost sample from the interrupted interval, and
+        no plain-step sample until the next snapshot."""
+        self._interval_sum, self._interval_len = 0.0, 0
+        self._since_snapshot = 10**9  # the next snapshot starts an interval, unsampled
+        self._disturbed = True
 
     def due(self) -> bool:
         """Whether to propose and agree now: at the end of the probe, then at the first

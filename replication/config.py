@@ -35,7 +35,9 @@ class ReplicationConfig:
     max_overhead: float = field(
         default=0.02,
         metadata={
-            "help": "with every_n_steps: auto, the fraction of step time snapshots may add",
+            "help": "with every_n_steps: auto, the fraction of step time snapshots may add "
+                    "while failures are rare (when the budget's interval would lose more "
+                    "than this to replays, Daly's optimum is taken instead: ADR 0032)",
             "min": 0.0001,
             "max": 1.0,
         },

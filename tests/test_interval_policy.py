@@ -36,9 +36,14 @@ def test_daly_interval_wins_when_longer_than_the_budgets() -> None:
     assert c.n_budget == 5
     assert c.every_n_steps == round((math.sqrt(2 * 0.01 * 10800) - 0.01) / 0.1)
     assert "Daly" in c.text
-    # a short MTBF: Daly asks for fewer steps than the budget allows; the budget wins
+    # a short MTBF: Daly asks for fewer steps than the budget allows, and the budget's
+    # interval would lose more than the budget to replays: Daly wins (ADR 0032)
     short = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02, mtbf_s=1.0)
-    assert short.every_n_steps == 5 and "the budget wins" in short.text
+    assert short.every_n_steps == 1 and "failures come so often" in short.text
+    # a durable save keeps its budget as a ceiling
+    save = choose_interval(step_s=0.1, snapshot_cost_s=0.01, budget=0.02, mtbf_s=1.0,
+                           kind="save")
+    assert save.every_n_steps == 5 and "the budget wins" in save.text
 
 
 def test_daly_formula_and_its_limits() -> None:
@@ -171,7 +176,6 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
     assert auto_interval.AutoInterval.from_settings(
         settings, 0, Log(), TrainingState(), lambda t: None) is None  # a fixed number
     settings.replication.every_n_steps = "auto"
-    settings.recovery.mtbf_s = 1.0  # failures so frequent that the budget decides
     others = [0]  # what the other rank proposes (0: nothing measured yet)
 
     def agree(t) -> None:  # all-reduce MAX with one other rank
@@ -181,6 +185,7 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
     ai = auto_interval.AutoInterval.from_settings(settings, 0, log, state, agree)
     assert ai is not None and "_auto_interval" in state.replay_exempt
     assert settings.replication.every_n_steps == ai.policy.probe_every  # an int again
+    ai.mtbf = lambda: (None, "")  # no MTBF: the budget's interval (agreeing is tested)
     clock = [0.0]
     auto_interval.time.perf_counter = lambda: clock[0]  # type: ignore[attr-defined]
     try:
@@ -242,7 +247,9 @@ def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one() -> None:
         mtbf, note = ai.mtbf()
         assert mtbf == pytest.approx(10.0, rel=0.05) and "observed: 3 failure(s)" in note
         run(auto_interval.AGREE_EVERY + 1, 2 * auto_interval.AGREE_EVERY)
-        assert settings.replication.every_n_steps == 5  # the budget's: Daly's is shorter
+        # Daly's for 10 s, 4 steps: the budget's 5 would lose more than 2 % to replays
+        assert settings.replication.every_n_steps == 4
+        assert "failures come so often" in " ".join(log.events[-1]["reasons"])
     finally:
         auto_interval.time.perf_counter = real  # type: ignore[attr-defined]
     # a replacement starts its clock from the job's time in the state it receives
@@ -290,3 +297,36 @@ def test_a_replicator_with_more_copies_than_processes_follows_the_interval_in_fo
         assert rep.maybe_snapshot(5) is not None and rep.maybe_snapshot(8) is None
     finally:
         rep.close()
+
+
+def test_frequent_failures_override_the_budget() -> None:
+    """When the budget's interval would lose more to replays than the budget itself,
+    Daly's optimum is taken even though its snapshots cost more (ADR 0032): in a chaos
+    soak (a failure every 2 s) the budget's 470 steps would never commit."""
+    from recovery.interval_policy import choose_interval
+
+    ch = choose_interval(step_s=0.031, snapshot_cost_s=0.291, mtbf_s=2.0)
+    assert ch.every_n_steps == ch.n_daly < ch.n_budget
+    assert "failures come so often" in ch.text
+    # rare failures: the budget stays a ceiling
+    rare = choose_interval(step_s=0.031, snapshot_cost_s=0.291, mtbf_s=10**6)
+    assert rare.every_n_steps >= rare.n_budget
+
+
+def test_an_interrupted_interval_is_no_sample() -> None:
+    """Steps around a recovery run slow; they must not read as a snapshot's cost."""
+    from recovery.interval_policy import IntervalPolicy
+
+    p = IntervalPolicy(probe_every=4, settle_steps=1)
+    for i in range(1, 9):  # two clean intervals: 10 ms per snapshot on 100 ms steps
+        p.observe(0.11 if i % 4 == 0 else 0.1, i % 4 == 0)
+    assert p.snapshot_cost_s == pytest.approx(0.01)
+    p.observe(0.1, False)
+    p.interrupted()  # a rollback; the next steps are slow
+    for _ in range(3):
+        p.observe(2.0, False)
+    p.observe(2.0, True)  # the first snapshot after it: no sample, plain unchanged
+    assert p.snapshot_cost_s == pytest.approx(0.01) and p.plain_step_s == pytest.approx(0.1)
+    for i in range(1, 5):  # sampled again from there on
+        p.observe(0.13 if i == 4 else 0.1, i == 4)
+    assert list(p._costs) == pytest.approx([0.01, 0.03])
