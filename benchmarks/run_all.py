@@ -193,7 +193,14 @@ BENCHES = {
                 "no MTBF at all (the budget's interval, the former `auto`) 0.987 and "
                 "0.986. A quick run the same day gave 1.0011 and 0.9994 (a CPU-step "
                 "snapshot measured at 79 ms against DCP's 45 ms save): on CPU-bound "
-                "steps the margin is within the noise of the inputs. "
+                "steps the margin is within the noise of the inputs. A second full run "
+                "of the CPU-bound kind alone the same evening (load up to 4.0): "
+                "`overhead_plain_default_cpu` +4.6 % (+1.2 % against the same run's own "
+                "snapshot-free steps; `overhead_plain_k2_nosnap_cpu`, the runtime with no "
+                "snapshot at all, +8.9 %), `goodput_ratio_at_mtbf_3h_cpu` 0.9975: on "
+                "CPU-bound steps neither target holds yet; the snapshots cost about 1 %, "
+                "the rest is the runtime's per-step presence on 2 busy cores, not yet "
+                "understood. "
                 "Timings on this shared 2-core host move with its load: `load_avg_1m` "
                 "lists the 1-minute load average around each job.",
     },
