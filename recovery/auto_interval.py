@@ -244,7 +244,7 @@ def startup_line(settings: Any) -> str:
         n = int(rep.every_n_steps)
         return (f"snapshot interval: every {n} step{'s' if n > 1 else ''} "
                 f"(replication.every_n_steps={n}); {replayed(n)}")
-    probe = IntervalPolicy().probe_every
+    probe = IntervalPolicy.probe_every  # the dataclass field's default
     mtbf = settings.recovery.mtbf_s
     job = (f"recovery.mtbf_s={mtbf:g} s" if mtbf else
            f"the job's MTBF (assumed {ASSUMED_MTBF_S / 3600:g} h until failures are seen, "

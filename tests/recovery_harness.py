@@ -337,15 +337,14 @@ def assert_recovered(
     return recs
 
 
-def committed_lower_bound(job: JobResult, ts: float, every_n_steps: int = 1) -> int:
+def committed_lower_bound(job: JobResult, ts: float) -> int:
     """A lower bound of the committed step at time ``ts``, from rank 0's ``step`` events.
 
     Rank 0 emits ``step s`` after ``maybe_snapshot(s)`` returned, with ``stall_s`` set
     when step ``s`` was snapshotted; that capture waited until the round of the snapshot
     before it committed. So the second newest snapshot seen is committed (step 0 is
     committed before the first step runs), whatever the interval (``auto`` picks it as
-    the job runs). ``every_n_steps`` is no longer needed; kept for callers."""
-    del every_n_steps
+    the job runs)."""
     snaps = sorted(int(e["step"]) for e in job.events("step")
                    if float(e["ts"]) < ts and e.get("stall_s") is not None)
     return snaps[-2] if len(snaps) >= 2 else 0
