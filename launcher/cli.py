@@ -61,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> tuple[int, bool]:
     """(exit status, whether the process should end without interpreter teardown)."""
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except KeyboardInterrupt:  # Ctrl-C while the commands load (seconds on a busy host)
+        return EXIT_INTERRUPTED, False
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2): return, do not exit

@@ -158,7 +158,7 @@ def test_recipe_accepts_auto_and_the_budget(tmp_path) -> None:
 
 
 # -- the runtime's adapter (recovery/auto_interval.py), without a job -----------------
-def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
+def test_auto_interval_agrees_applies_and_survives_a_rollback(monkeypatch) -> None:
     from recovery import auto_interval
     from recovery.recipe import CheckpointlessConfig
     from replication.state import TrainingState
@@ -187,16 +187,14 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
     assert settings.replication.every_n_steps == ai.policy.probe_every  # an int again
     ai.mtbf = lambda: (None, "")  # no MTBF: the budget's interval (agreeing is tested)
     clock = [0.0]
-    auto_interval.time.perf_counter = lambda: clock[0]  # type: ignore[attr-defined]
-    try:
-        for step in range(1, auto_interval.AGREE_EVERY + 1):
-            snap = step % settings.replication.every_n_steps == 0
-            clock[0] += 0.1 + (0.01 if snap else 0.0)
-            ai.after_step(step, snap, None)
-    finally:
-        import time as _time
-
-        auto_interval.time.perf_counter = _time.perf_counter  # type: ignore[attr-defined]
+    # monkeypatch puts the real clock back (this test once "restored" the fake one:
+    # every later test in the process then read a frozen perf_counter)
+    monkeypatch.setattr(auto_interval.time, "perf_counter", lambda: clock[0])
+    for step in range(1, auto_interval.AGREE_EVERY + 1):
+        snap = step % settings.replication.every_n_steps == 0
+        clock[0] += 0.1 + (0.01 if snap else 0.0)
+        ai.after_step(step, snap, None)
+    monkeypatch.undo()
     assert settings.replication.every_n_steps == 5  # 10 ms on 100 ms, 2 % budget
     assert log.events[-1]["event"] == "auto_interval" and log.events[-1]["every_n_steps"] == 5
     assert ai.state_dict()["every_n_steps"] == 5
@@ -208,7 +206,7 @@ def test_auto_interval_agrees_applies_and_survives_a_rollback() -> None:
     assert "another rank" in " ".join(log.events[-1]["reasons"])
 
 
-def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one() -> None:
+def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one(monkeypatch) -> None:
     """With ``recovery.mtbf_s`` unset, the interval is Daly's optimum for an assumed MTBF
     until failures are seen, then for their observed rate (ADR 0032); a replacement
     learns how long the job has run from the state it receives."""
@@ -229,29 +227,27 @@ def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one() -> None:
                                                   lambda t: None, lambda: failures[0])
     assert ai is not None and ai.mtbf() == (ASSUMED_MTBF_S, ai.mtbf()[1])
     clock = [0.0]
-    real = auto_interval.time.perf_counter
-    auto_interval.time.perf_counter = lambda: clock[0]  # type: ignore[attr-defined]
-    try:
-        def run(first: int, last: int) -> None:
-            for step in range(first, last + 1):
-                snap = step % settings.replication.every_n_steps == 0
-                clock[0] += 0.1 + (0.01 if snap else 0.0)
-                ai.after_step(step, snap, None)
+    monkeypatch.setattr(auto_interval.time, "perf_counter", lambda: clock[0])
 
-        run(1, auto_interval.AGREE_EVERY)
-        # 10 ms per snapshot on 100 ms steps: Daly for 3 h is 14.7 s of work
-        assert settings.replication.every_n_steps == 147
-        assert "assumed" in " ".join(log.events[-1]["reasons"])
-        failures[0] = 3  # three failures in the 30 s the job has run: one every 10 s
-        ai._t0 = auto_interval.time.monotonic() - 30.0
-        mtbf, note = ai.mtbf()
-        assert mtbf == pytest.approx(10.0, rel=0.05) and "observed: 3 failure(s)" in note
-        run(auto_interval.AGREE_EVERY + 1, 2 * auto_interval.AGREE_EVERY)
-        # Daly's for 10 s, 4 steps: the budget's 5 would lose more than 2 % to replays
-        assert settings.replication.every_n_steps == 4
-        assert "failures come so often" in " ".join(log.events[-1]["reasons"])
-    finally:
-        auto_interval.time.perf_counter = real  # type: ignore[attr-defined]
+    def run(first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            snap = step % settings.replication.every_n_steps == 0
+            clock[0] += 0.1 + (0.01 if snap else 0.0)
+            ai.after_step(step, snap, None)
+
+    run(1, auto_interval.AGREE_EVERY)
+    # 10 ms per snapshot on 100 ms steps: Daly for 3 h is 14.7 s of work
+    assert settings.replication.every_n_steps == 147
+    assert "assumed" in " ".join(log.events[-1]["reasons"])
+    failures[0] = 3  # three failures in the 30 s the job has run: one every 10 s
+    ai._t0 = auto_interval.time.monotonic() - 30.0
+    mtbf, note = ai.mtbf()
+    assert mtbf == pytest.approx(10.0, rel=0.05) and "observed: 3 failure(s)" in note
+    run(auto_interval.AGREE_EVERY + 1, 2 * auto_interval.AGREE_EVERY)
+    # Daly's for 10 s, 4 steps: the budget's 5 would lose more than 2 % to replays
+    assert settings.replication.every_n_steps == 4
+    assert "failures come so often" in " ".join(log.events[-1]["reasons"])
+    monkeypatch.undo()
     # a replacement starts its clock from the job's time in the state it receives
     fresh = auto_interval.AutoInterval(CheckpointlessConfig(), 1, Log(), lambda t: None)
     fresh.load_state_dict(ai.state_dict())

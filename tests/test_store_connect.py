@@ -113,15 +113,36 @@ def test_a_foreign_service_that_answers_is_a_clear_error():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("where", ["waiting", "handshake"])
 def test_a_signal_stops_the_join_at_once(sig, where):
+    """Signalled once the agent is provably there: it said it waits (its first report,
+    5 s in), or the silent service saw the handshake's connection. (A fixed 4 s sleep
+    signalled a loaded CI host's agent while it still imported its commands.)"""
     service = _Foreign(reply=None) if where == "handshake" else None
     port = service.port if service else free_port()
     proc = _node1(port)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+
+    def there() -> bool:
+        if service:  # the port probe's connection, then the c10d client's
+            return len(service.conns) >= 2
+        return any("waiting for the job store" in line for line in lines)
+
     try:
-        time.sleep(4.0)  # past start-up: in the wait loop, or inside the c10d handshake
-        assert proc.poll() is None, proc.communicate()
+        deadline = time.monotonic() + 60
+        while not there():
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        time.sleep(0.3)
         proc.send_signal(sig)
-        code, err, took = _finish(proc, 30)
+        t0 = time.monotonic()
+        proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        reader.join(timeout=10)
+        code, err = proc.returncode, "".join(lines)
     finally:
+        if proc.poll() is None:
+            proc.kill()
         if service:
             service.close()
     assert took < 3.0, f"took {took:.1f}s to stop after {sig.name}\n{err}"
