@@ -18,6 +18,7 @@ SUITE_BUDGET ?=
 
 setup: $(STAMP)
 	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
+	@test -x /usr/sbin/slurmd || echo "hint: Slurm is missing, so tests/test_slurm.py will skip (apt-get install slurm-wlm munge)"
 
 $(STAMP): pyproject.toml Makefile replication/_streamcopy.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

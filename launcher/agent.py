@@ -26,8 +26,7 @@ cannot take part), so a failure after the first clean exit is fatal.
 Elsewhere: the job store (:mod:`launcher.job_store`), registration and group owners
 (:mod:`launcher.membership`), heartbeats and the watch over the other agents
 (:mod:`launcher.liveness`), what the agent does about a lost node or about being taken
-over itself (:mod:`launcher.node_loss`), and the last line's result
-(:mod:`launcher.job_outcome`).
+over itself (:mod:`launcher.node_loss`), the end's line and status (:mod:`launcher.job_outcome`).
 """
 
 from __future__ import annotations
@@ -165,11 +164,12 @@ class Agent(NodeLossHandling):
                           f"(exit {contract.EXIT_FENCED})")
                 self._stop_local()
                 return contract.EXIT_FENCED
-            return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})")
+            return self._failed(f"lost the job store at {where} ({job_store.brief(exc)})",
+                                contract.EXIT_RETRY)
         except TimeoutError as exc:  # a declarer died half-way through declare_failure
             with contextlib.suppress(dist.DistError, RuntimeError):
                 protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
-            return self._failed(f"the generation is stuck: {exc}")
+            return self._failed(f"the generation is stuck: {exc}", contract.EXIT_RETRY)
         finally:
             if self.lease is not None:
                 self.lease.stop()
@@ -506,7 +506,7 @@ class Agent(NodeLossHandling):
         """
         reason = str(failure.get("reason", failure))
         if failure.get("signal") != "SIGINT":
-            return self._failed(reason)
+            return self._failed(reason, job_outcome.exit_status(failure))
         deadline = time.monotonic() + SIGINT_GRACE_S
         while self._signal is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -518,13 +518,13 @@ class Agent(NodeLossHandling):
         self._mark_finished()
         return contract.EXIT_INTERRUPTED
 
-    def _failed(self, reason: str) -> int:
-        worker_output.say(f"checkpointless: job failed: {reason}")
+    def _failed(self, reason: str, code: int = contract.EXIT_FAILED) -> int:
+        worker_output.say(f"checkpointless: job failed: {reason}{job_outcome.meaning(code)}")
         self._stop_local()
         self._emit(Event.JOB_FAILED, reason=reason)
         self._mark_finished()
         self._linger(LINGER_S)
-        return 1
+        return code
 
     def _stop(self) -> int:
         """Stopped by a signal: end this node's part and exit 128 + signal.

@@ -14,9 +14,30 @@ from datetime import datetime
 
 import torch.distributed as dist
 
+from recovery.causes import FailureCause
+from replication import contract
 from replication.commit import UntrustedCommit
 from replication.commit import committed_step as _committed_step
 from replication.config import PersistenceConfig
+
+
+def exit_status(failure: dict) -> int:
+    """The agent's exit status for the job's fatal record: the script's own error is
+    never worth a retry; anything else (a state lost with every copy, no spare node,
+    the restart budget spent, a node stopped) may go on in a new allocation."""
+    if failure.get("kind") == FailureCause.USER_ERROR:
+        return contract.EXIT_SCRIPT_ERROR
+    return contract.EXIT_RETRY
+
+
+def meaning(code: int) -> str:
+    """What the exit status tells a scheduler, for the "job failed" line."""
+    if code == contract.EXIT_SCRIPT_ERROR:
+        return f" (exit {code}: the script's own error, a retry fails the same way)"
+    if code == contract.EXIT_RETRY:
+        return (f" (exit {code}: a new run can go on, from the newest durable checkpoint "
+                "where persistence.path is set)")
+    return ""
 
 
 def committed_step(store: dist.Store) -> int | str | None:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher import bind as bind_mod
-from launcher import job_secret
+from launcher import job_secret, slurm_env
 from replication import contract
 from replication.errors import CheckpointlessError
 
@@ -75,6 +75,8 @@ class RunArgs:
     rdzv_backend: str = "c10d"
     #: With etcd: every member of the etcd cluster (--rdzv-endpoint H1:P1,H2:P2,...).
     etcd_endpoints: tuple[tuple[str, int], ...] = ()
+    #: Where a scheduler placed this node, said once by node 0 ("": started by hand).
+    placement: str = ""
 
     @property
     def world_size(self) -> int:
@@ -106,10 +108,15 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "nproc-per-node", dest="nproc_per_node", default="1", metavar="N",
           help="workers per node: an integer, or 'cpu', 'gpu', 'auto' (default 1)")
-    _flag(parser, "nnodes", default="1", metavar="N|MIN:MAX",
-          help="number of active nodes; torchrun's MIN:MAX is accepted and MIN used")
-    _flag(parser, "node-rank", dest="node_rank", type=int, default=0, metavar="R",
-          help="this node's rank; ranks >= nnodes are spare nodes (default 0)")
+    _flag(parser, "nnodes", default=None, metavar="N|MIN:MAX",
+          help="number of active nodes; torchrun's MIN:MAX is accepted and MIN used "
+          "(default 1; in a Slurm step, its nodes less --spare-nodes)")
+    _flag(parser, "node-rank", dest="node_rank", type=int, default=None, metavar="R",
+          help="this node's rank; ranks >= nnodes are spare nodes (default 0; in a Slurm "
+          "step, this node's place in its node list)")
+    _flag(parser, "spare-nodes", dest="spare_nodes", type=int, default=None, metavar="S",
+          help="in a Slurm step: its last S nodes wait as spare nodes to take over a lost "
+          "node's ranks (default 0)")
     _flag(parser, "rdzv-endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT",
           help="where node 0 hosts the job's c10d store (default: master addr/port)")
     _flag(parser, "rdzv-id", dest="rdzv_id", default="", metavar="ID",
@@ -161,8 +168,10 @@ def is_override(token: str) -> bool:
     return bool(sep) and bool(_OVERRIDE_KEY.match(key))
 
 
-def from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RunArgs:
-    """Split overrides from the script (re-parsing flags that follow an override)."""
+def from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                   environ: Mapping[str, str] | None = None) -> RunArgs:
+    """Split overrides from the script (re-parsing flags that follow an override);
+    ``environ`` (default ``os.environ``) is read for a Slurm step's placement."""
     overrides: list[str] = []
     rest = list(ns.rest)
     while rest:
@@ -181,12 +190,19 @@ def from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> R
             break
     if not rest:
         raise UsageError("no script given (usage: checkpointless run [flags] SCRIPT [args])")
-    return _validate(ns, overrides, rest[0], tuple(rest[1:]))
+    return _validate(ns, overrides, rest[0], tuple(rest[1:]), environ)
 
 
 def _validate(
-    ns: argparse.Namespace, overrides: list[str], script: str, script_args: tuple[str, ...]
+    ns: argparse.Namespace, overrides: list[str], script: str, script_args: tuple[str, ...],
+    environ: Mapping[str, str] | None = None,
 ) -> RunArgs:
+    try:
+        placement = slurm_env.fill_in(ns, os.environ if environ is None else environ)
+    except slurm_env.SlurmError as exc:
+        raise UsageError(str(exc)) from None
+    ns.nnodes = "1" if ns.nnodes is None else ns.nnodes
+    ns.node_rank = 0 if ns.node_rank is None else ns.node_rank
     nnodes = parse_nnodes(ns.nnodes)
     nproc = parse_nproc(ns.nproc_per_node)
     if ns.rdzv_backend not in SUPPORTED_BACKENDS:
@@ -247,6 +263,7 @@ def _validate(
         zygote=getattr(ns, "zygote", True),
         rdzv_backend=backend,
         etcd_endpoints=etcd_endpoints,
+        placement=placement,
     )
 
 

@@ -13,7 +13,8 @@ would try to host a second server on the same port and fail with EADDRINUSE.
 The job key (sealing the store records the job trusts, ``replication.signing``) reaches
 workers in ``CHECKPOINTLESS_INTERNAL_JOB_KEY``; the job secret it is derived from
 (``CHECKPOINTLESS_JOB_SECRET``) is removed, so workers never hold it. ``GLOO_SOCKET_IFNAME``
-is set to the interface ``--bind`` chose, unless the user set it.
+is set to the interface ``--bind`` chose, unless the user set it. Under Slurm, the
+variables of the agent's own task are removed (:data:`SLURM_TASK_VARS`).
 
 The environment is built in two layers: :meth:`JobEnv.base` (job-wide, no rank), which
 is also what a warm spare is started with, and :meth:`JobEnv.for_rank`, which a spare
@@ -33,6 +34,17 @@ from replication import contract
 from replication.contract import ENV_JOB_SECRET
 
 ROLE_NAME = "default"
+
+#: Slurm's variables that describe a task of the step, which is the agent, not a
+#: worker. A library that reads them would place every worker where the agent is:
+#: ``SLURM_PROCID`` as the global rank, ``SLURM_NTASKS`` as the world size. (Lightning
+#: does not: it looks for torchrun's variables before Slurm's.) torchrun's variables
+#: describe the workers; the job's Slurm variables (``SLURM_JOB_ID``, the node list) stay.
+SLURM_TASK_VARS = frozenset({
+    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
+    "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASK_PID", "SLURM_GTIDS",
+})
 
 
 @dataclass(frozen=True)
@@ -61,8 +73,8 @@ class JobEnv:
     def base(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The agent's environment plus everything that does not depend on the rank."""
         src = os.environ if environ is None else environ
-        env = {k: v for k, v in src.items()
-               if not k.startswith(RESERVED_ENV_PREFIX) and k != ENV_JOB_SECRET}
+        env = {k: v for k, v in src.items() if not k.startswith(RESERVED_ENV_PREFIX)
+               and k != ENV_JOB_SECRET and k not in SLURM_TASK_VARS}
         if self.gloo_ifname:
             env.setdefault("GLOO_SOCKET_IFNAME", self.gloo_ifname)
         if self.nproc > 1 and "OMP_NUM_THREADS" not in env:

@@ -39,6 +39,13 @@ EXIT_FAILED = 1  # the job failed (or a command found damage); the reason was pr
 EXIT_USAGE = 2  # bad command line or configuration: nothing ran
 EXIT_FATAL = 3  # a worker: recovery impossible; the reason is the job's fatal record
 EXIT_FENCED = 4  # a worker or agent: its node was declared lost and its ranks taken over
+#: The job stopped for a cause outside the script (every copy of a state lost, no spare
+#: node, too many failures, the job store lost): a new allocation can go on, from
+#: ``persistence.path`` where one is set (sysexits' EX_TEMPFAIL). A scheduler requeues.
+EXIT_RETRY = 75
+#: The script failed the way every retry would (an exception before its first step, or
+#: the same one again after a rollback): a scheduler must not requeue.
+EXIT_SCRIPT_ERROR = 93
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 

@@ -160,6 +160,11 @@ def test_worker_env_layers():
                        replacement=True)
     assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"]) == ("3", "1", "6")
     assert env[contract.ENV_REPLACEMENT] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    # under srun, the agent's own task variables do not reach its workers; the job's do
+    slurm = job.base({"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0",
+                      "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[0-2]"})
+    assert not {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"} & set(slurm)
+    assert (slurm["SLURM_JOB_ID"], slurm["SLURM_JOB_NODELIST"]) == ("7", "n[0-2]")
 
 
 @pytest.mark.parametrize("endpoint,message", [

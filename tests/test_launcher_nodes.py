@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from replication import contract
 from tests.helpers.mp import free_port
 from tests.launcher_scripts.harness import WORKER, Agents, events, records, wait_for
 
@@ -77,5 +78,7 @@ def test_lost_node_without_a_spare_node_fails_the_job(agents, tmp_path):
     node1 = node(agents, tmp_path, 1, port)
     wait_for(lambda: all(records(out, r) for r in range(4)), 60, "all four ranks to start")
     os.killpg(node1.pid, signal.SIGKILL)
-    assert agents.wait(node0) == 1
+    assert agents.wait(node0) == contract.EXIT_RETRY  # no spare node: a new run can go on
     assert "node 1 lost (ranks [2, 3]) and no spare node took them over" in agents.log(node0)
+    assert "(exit 75: a new run can go on, from the newest durable checkpoint" in \
+        agents.log(node0)

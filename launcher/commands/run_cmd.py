@@ -80,6 +80,8 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     except SystemExit as exc:  # a flag after an override was bad; already reported
         return int(exc.code or 0)
     cfg = resolve_config(args)  # a ConfigError is reported by the CLI (exit 2)
+    if args.placement and args.node_rank == 0:
+        print(args.placement, file=sys.stderr, flush=True)
     try:
         run_dir = resolve_run_dir(args, cfg)
     except (OSError, ValueError) as exc:  # not creatable: a file there, too long, no access
