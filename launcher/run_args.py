@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher import bind as bind_mod
-from launcher import job_secret, slurm_env
+from launcher import job_secret, kubernetes_env, slurm_env
 from replication import contract
 from replication.errors import CheckpointlessError
 
@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
           "(default 1; in a Slurm step, its nodes less --spare-nodes)")
     _flag(parser, "node-rank", dest="node_rank", type=int, default=None, metavar="R",
           help="this node's rank; ranks >= nnodes are spare nodes (default 0; in a Slurm "
-          "step, this node's place in its node list)")
+          "step, this node's place in its node list; in a Kubernetes Indexed Job, the "
+          "pod's completion index)")
     _flag(parser, "spare-nodes", dest="spare_nodes", type=int, default=None, metavar="S",
           help="in a Slurm step: its last S nodes wait as spare nodes to take over a lost "
           "node's ranks (default 0)")
@@ -197,9 +198,10 @@ def _validate(
     ns: argparse.Namespace, overrides: list[str], script: str, script_args: tuple[str, ...],
     environ: Mapping[str, str] | None = None,
 ) -> RunArgs:
-    try:
-        placement = slurm_env.fill_in(ns, os.environ if environ is None else environ)
-    except slurm_env.SlurmError as exc:
+    env = os.environ if environ is None else environ
+    try:  # where a scheduler placed this node (flags given win)
+        placement = slurm_env.fill_in(ns, env) or kubernetes_env.fill_in(ns, env)
+    except (slurm_env.SlurmError, kubernetes_env.KubernetesError) as exc:
         raise UsageError(str(exc)) from None
     ns.nnodes = "1" if ns.nnodes is None else ns.nnodes
     ns.node_rank = 0 if ns.node_rank is None else ns.node_rank
