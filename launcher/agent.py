@@ -42,7 +42,6 @@ from typing import Any
 import torch.distributed as dist
 
 from launcher import (
-    job_outcome,
     job_store,
     liveness,
     membership,
@@ -50,6 +49,7 @@ from launcher import (
     worker_output,
     zygote_start,
 )
+from launcher.agent_endings import Endings
 from launcher.node_loss import LostGroup, NodeLossHandling
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
@@ -70,9 +70,6 @@ from recovery.recipe import CheckpointlessConfig, config_to_json
 from replication import contract
 from replication.errors import CheckpointlessError
 
-LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
-#: How long an agent that reads "stopped by SIGINT" from another node waits for its own.
-SIGINT_GRACE_S = 0.5
 #: A pass of the agent's loop longer than this is reported (``agent_stalled``).
 STALL_REPORT_S = 2.0
 
@@ -107,7 +104,7 @@ class JoinError(CheckpointlessError, RuntimeError):
     """This agent cannot take part in the job (its node rank is already taken)."""
 
 
-class Agent(NodeLossHandling):
+class Agent(NodeLossHandling, Endings):
     """Supervises one node's workers; see the module docstring for the loop."""
 
     def __init__(self, args: RunArgs, cfg: CheckpointlessConfig, run_dir: str,
@@ -471,108 +468,6 @@ class Agent(NodeLossHandling):
 
     def _record_done(self, rank: int) -> None:
         protocol.record_done(self.store, rank)
-
-    # --- endings --------------------------------------------------------------------
-    def _done(self) -> int:
-        self._stop_local()
-        recoveries = protocol.recoveries(self.store)
-        failures = protocol.failures(self.store)
-        step = job_outcome.committed_step(self.store)
-        self._emit(Event.JOB_DONE, recoveries=recoveries, failures=failures, committed_step=step)
-        self._mark_finished()
-        step_text = f", committed step {step}" if step is not None else ""
-        gens = f" in {recoveries} generations" if recoveries != failures else ""
-        durable, persisted = job_outcome.durable_outcome(self.cfg.persistence,
-                                                         self._started_at)
-        self._log(f"job done: {self.args.world_size} ranks finished, failures recovered: "
-                  f"{failures}{gens}{step_text}{durable}; run dir {self.run_dir}")
-        self._linger(LINGER_S)
-        if not persisted:
-            worker_output.say(
-                f"checkpointless: job done but NOTHING WAS PERSISTED: persistence.path "
-                f"{self.cfg.persistence.path!r} holds no complete checkpoint (see the "
-                "'DURABLE CHECKPOINT FAILED' lines above); exit status 1")
-            return 1
-        return 0
-
-    def _fatal_exit(self, failure: dict[str, Any]) -> int:
-        """End this node's part of a job that has a fatal record.
-
-        An operator's Ctrl-C reaches every agent of the terminal, one a moment after
-        another: the first to handle it records "stopped by SIGINT", and the others may
-        read that record before their own signal arrives. They stop as if they had been
-        interrupted (exit 130), not as a failed job: they wait a moment for their own
-        SIGINT and then say in one line that the job was stopped.
-        """
-        reason = str(failure.get("reason", failure))
-        if failure.get("signal") != "SIGINT":
-            return self._failed(reason, job_outcome.exit_status(failure))
-        deadline = time.monotonic() + SIGINT_GRACE_S
-        while self._signal is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if self._signal is not None:
-            return self._stop()
-        worker_output.say(f"checkpointless: job stopped: {reason}")
-        self._stop_local()
-        self._emit(Event.AGENT_EXIT, signal=None, reason=reason)
-        self._mark_finished()
-        return contract.EXIT_INTERRUPTED
-
-    def _failed(self, reason: str, code: int = contract.EXIT_FAILED) -> int:
-        worker_output.say(f"checkpointless: job failed: {reason}{job_outcome.meaning(code)}")
-        self._stop_local()
-        self._emit(Event.JOB_FAILED, reason=reason)
-        self._mark_finished()
-        self._linger(LINGER_S)
-        return code
-
-    def _stop(self) -> int:
-        """Stopped by a signal: end this node's part and exit 128 + signal.
-
-        SIGINT (an operator) and any stop of the store host end the job; a SIGTERM of
-        another node (say, a preemption) is left to look like a lost node, so a spare
-        node can take its ranks over.
-        """
-        sig = self._signal or signal.SIGTERM
-        name = signal.Signals(sig).name
-        self._log(f"{name}: stopping this node's workers")
-        if self.store is not None and (sig == signal.SIGINT or self.args.hosts_store):
-            with contextlib.suppress(dist.DistError, RuntimeError):
-                protocol.set_fatal(self.store, f"node {self.node} stopped by {name}",
-                                   signal=name)
-        self._stop_local()
-        self._emit(Event.AGENT_EXIT, signal=name)
-        self._mark_finished()
-        self._linger(5.0)
-        return 128 + sig
-
-    def _stop_local(self) -> None:
-        stop_processes([w.proc for w in self.workers.values()])
-        self.workers.clear()
-        if self.spares is not None:
-            self.spares.stop()
-
-    def _mark_finished(self) -> None:
-        if self.store is not None:
-            with contextlib.suppress(dist.DistError, RuntimeError):
-                protocol.mark_agent_finished(self.store, self.node)
-
-    def _linger(self, bound_s: float) -> None:
-        """The store host waits until the other agents have seen the end (bounded)."""
-        if not self.args.hosts_store or self.store is None:
-            return
-        deadline = time.monotonic() + bound_s
-        with contextlib.suppress(dist.DistError, RuntimeError):
-            while time.monotonic() < deadline:
-                others = [n for n in membership.registered_nodes(self.store) if n != self.node]
-                # not published: the others stop beating as they leave, which is no loss
-                self.watch.check(self.store, protocol.current_generation(self.store),
-                                 publish=False)
-                pending = [n for n in others if n not in self.watch.lost
-                           and not protocol.agent_finished(self.store, n)]
-                if not pending:
-                    return
-                time.sleep(0.05)
 
     # --- small helpers --------------------------------------------------------------
     def _ranks(self, group: int) -> list[int]:

@@ -189,15 +189,20 @@ class Checkpointless:
     def run(self, train_step: Callable[[int], Any], num_steps: int) -> None:
         """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably. The
         last step is snapshotted whatever the interval: the final state is committed,
-        and persisted with a durable tier (:meth:`DurableTier.finish`)."""
+        and persisted with a durable tier (:meth:`DurableTier.finish`). A failure while
+        the last step commits rolls back like any other (it once escaped: every
+        survivor exited 1, and with them every copy of the committed state)."""
         step = self.start_step
-        while step <= num_steps:
+        while True:
             try:
-                self._before_step(step)
-                train_step(step)
-                self._after_step(step, True if step == num_steps else None)
-                step += 1
-            except Exception as exc:  # any failure of this step, local or remote
+                while step <= num_steps:
+                    self._before_step(step)
+                    train_step(step)
+                    self._after_step(step, True if step == num_steps else None)
+                    step += 1
+                self.wait_committed()  # the last step's round
+                break
+            except Exception as exc:  # any failure of a step or of the last commit
                 step = self.recover(exc) + 1  # re-raises what cannot be recovered
         self._finish()
 

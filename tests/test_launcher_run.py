@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from replication import contract
 from tests.launcher_scripts.harness import (
     WORKER,
     Agents,
@@ -125,7 +126,7 @@ def test_hung_worker_is_killed_and_replaced(agents, tmp_path, out):
 def test_max_restarts_exceeded_fails_the_job(agents, tmp_path, out):
     proc, run_dir = standalone(agents, tmp_path, "--max-restarts", "0",
                                worker=("--fail-once", "1"))
-    assert agents.wait(proc) == 1
+    assert agents.wait(proc) == contract.EXIT_RETRY  # a new run can go on
     log = agents.log(proc)
     assert "checkpointless: job failed: recovery.max_restarts=0 exceeded" in log
     assert not events(run_dir, "replacement_assigned")
@@ -134,7 +135,7 @@ def test_max_restarts_exceeded_fails_the_job(agents, tmp_path, out):
 
 def test_fatal_set_by_a_worker_stops_the_job(agents, tmp_path, out):
     proc, _ = standalone(agents, tmp_path, worker=("--fatal", "0"))
-    assert agents.wait(proc) == 1
+    assert agents.wait(proc) == contract.EXIT_RETRY  # not the script's own error
     assert "checkpointless: job failed: rank 0 says the job cannot go on" in agents.log(proc)
 
 

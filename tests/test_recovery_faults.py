@@ -79,6 +79,20 @@ def test_sigkill_one_worker(tmp_path, reference, rank, phase, spares, zygote):
     assert job.events("job_done")[0]["recoveries"] == 1
 
 
+@pytest.mark.parametrize("phase", ["snapshot", "replication"])
+def test_a_kill_while_the_last_step_commits_is_recovered(tmp_path, reference, phase):
+    """Rank 1 dies in the final step's snapshot round (step 16 of 16). Its survivor
+    waits for that round after the loop: the failure must roll back like any other
+    (it escaped ``cl.run``, the survivor exited 1, and the job lost every copy of the
+    committed state: the chaos soak's "final state written by ranks [] only")."""
+    job = run_job(tmp_path / "run", spares=1, overrides=[f"recovery.fault=1:16:{phase}"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    assert_recovered(job)
+    assert [(e["step"], e["phase"]) for e in job.events("fault_injected")] == [(16, phase)]
+    assert not [e for e in job.events("worker_exit") if e["exitcode"] == 1]
+
+
 @pytest.mark.parametrize("phase", ["forward", "snapshot"])
 def test_sigkill_with_every_optimizer_tensor_copied_overlapped(tmp_path, reference, phase):
     """``replication.overlap_min_bytes=0``: every weight and optimizer tensor of this small
