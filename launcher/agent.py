@@ -197,7 +197,7 @@ class Agent(NodeLossHandling, Endings):
             node=self.node, run_id=a.rdzv_id, max_restarts=self.rcfg.max_restarts,
             run_dir=self.run_dir, config_json=config_to_json(self.cfg),
             job_key=self.job_store.signer.key_hex(), gloo_ifname=self.job_store.plan.gloo_ifname,
-            store_address=str(self.job_store.address),
+            store_address=str(self.job_store.address), on_sigterm=a.on_sigterm,
         )
         self.base_env = self.job.base()
         self.spares = SparePool(a.spares, self.base_env, self._emit, self._start_zygote())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from launcher import job_outcome, membership, worker_output
 from launcher.liveness import PeerWatch
 from launcher.run_args import RunArgs
 from launcher.worker_procs import SparePool, Worker, stop_processes
-from recovery import protocol
+from recovery import drain, protocol
 from recovery.events import Event
 from recovery.recipe import CheckpointlessConfig
 from replication import contract
@@ -45,6 +46,7 @@ class Endings:
     spares: SparePool | None
     watch: PeerWatch
     _signal: int | None
+    _wake: threading.Event
     _started_at: float
 
     def _emit(self, event: str, **fields: Any) -> None: ...
@@ -72,6 +74,28 @@ class Endings:
             return 1
         return 0
 
+    def _drain(self) -> int:
+        """The job stops for its scheduler (:mod:`recovery.drain`): ask this node's
+        workers to persist the newest committed step, wait for them, exit 75 (a new run
+        resumes from that step). Their exits are no failures: the fatal record says so."""
+        self._log("stopping for the scheduler: the workers persist the newest committed "
+                  "step, then exit")
+        for w in self.workers.values():
+            with contextlib.suppress(OSError):
+                open(w.heartbeat + drain.STOP_SUFFIX, "a").close()
+        patience = self.cfg.replication.timeout_s + 30.0  # a round, then a save
+        deadline = time.monotonic() + patience
+        self._wake.clear()  # a second signal (an operator's Ctrl-C) ends the wait
+        while (time.monotonic() < deadline and not self._wake.is_set()
+               and any(w.proc.poll() is None for w in self.workers.values())):
+            time.sleep(0.05)
+        codes = {w.rank: w.proc.poll() for w in self.workers.values()}
+        self._stop_local()  # what did not end in time
+        self._emit(Event.AGENT_EXIT, signal=None, drained=codes)
+        self._mark_finished()
+        self._linger(patience)  # the store host: until every node has persisted and left
+        return contract.EXIT_RETRY
+
     def _fatal_exit(self, failure: dict[str, Any]) -> int:
         """End this node's part of a job that has a fatal record.
 
@@ -82,6 +106,8 @@ class Endings:
         SIGINT and then say in one line that the job was stopped.
         """
         reason = str(failure.get("reason", failure))
+        if drain.is_drain(failure):
+            return self._drain()
         if failure.get("signal") != "SIGINT":
             return self._failed(reason, job_outcome.exit_status(failure))
         deadline = time.monotonic() + SIGINT_GRACE_S
@@ -108,10 +134,16 @@ class Endings:
 
         SIGINT (an operator) and any stop of the store host end the job; a SIGTERM of
         another node (say, a preemption) is left to look like a lost node, so a spare
-        node can take its ranks over.
+        node can take its ranks over. With ``--on-sigterm drain`` (the default in a
+        Slurm step, where every node gets the signal at once) a SIGTERM stops the job
+        after the newest committed step is persisted instead (:meth:`_drain`).
         """
         sig = self._signal or signal.SIGTERM
         name = signal.Signals(sig).name
+        if sig == signal.SIGTERM and self.args.on_sigterm == "drain" and self.store is not None:
+            with contextlib.suppress(dist.DistError, RuntimeError):
+                drain.request(self.store, self.node, name)
+            return self._drain()
         self._log(f"{name}: stopping this node's workers")
         if self.store is not None and (sig == signal.SIGINT or self.args.hosts_store):
             with contextlib.suppress(dist.DistError, RuntimeError):

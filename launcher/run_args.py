@@ -77,6 +77,10 @@ class RunArgs:
     etcd_endpoints: tuple[tuple[str, int], ...] = ()
     #: Where a scheduler placed this node, said once by node 0 ("": started by hand).
     placement: str = ""
+    #: What a SIGTERM to this agent means: "drain" (the job stops once the newest
+    #: committed step is persisted: under Slurm every node gets it at once) or "leave"
+    #: (this node leaves; a spare node takes its ranks over).
+    on_sigterm: str = "leave"
 
     @property
     def world_size(self) -> int:
@@ -159,6 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "bind", default=None, metavar="ADDRESS|all",
           help="address the job store and gloo listen on (default: loopback for a loopback "
           "endpoint, else the endpoint's address on node 0 and the route to it elsewhere)")
+    _flag(parser, "on-sigterm", dest="on_sigterm", choices=("auto", "drain", "leave"),
+          default="auto", help="drain: a SIGTERM stops the job once every rank persisted "
+          "the newest committed step, exit 75; leave: this node leaves the job and a spare "
+          "node takes its ranks over (default auto: drain in a Slurm step, else leave)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="[KEY=VALUE ...] SCRIPT",
                         help="recipe overrides, then the script (or module) and its args")
 
@@ -200,9 +208,14 @@ def _validate(
 ) -> RunArgs:
     env = os.environ if environ is None else environ
     try:  # where a scheduler placed this node (flags given win)
-        placement = slurm_env.fill_in(ns, env) or kubernetes_env.fill_in(ns, env)
+        placement = slurm_env.fill_in(ns, env)
+        under_slurm = bool(placement)
+        placement = placement or kubernetes_env.fill_in(ns, env)
     except (slurm_env.SlurmError, kubernetes_env.KubernetesError) as exc:
         raise UsageError(str(exc)) from None
+    on_sigterm = getattr(ns, "on_sigterm", "auto")
+    if on_sigterm == "auto":
+        on_sigterm = "drain" if under_slurm else "leave"
     ns.nnodes = "1" if ns.nnodes is None else ns.nnodes
     ns.node_rank = 0 if ns.node_rank is None else ns.node_rank
     nnodes = parse_nnodes(ns.nnodes)
@@ -266,6 +279,7 @@ def _validate(
         rdzv_backend=backend,
         etcd_endpoints=etcd_endpoints,
         placement=placement,
+        on_sigterm=on_sigterm,
     )
 
 

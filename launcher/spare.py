@@ -284,6 +284,11 @@ def run_assigned(assignment: dict) -> None:
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as `python SCRIPT` has it
         release_sigint()
+        if os.environ.get(contract.ENV_ON_SIGTERM) == "drain":
+            # Slurm signals every process of the step (scancel, preemption); the agent
+            # decides and asks for the drain (recovery.drain). SIG_IGN is inherited by
+            # what the script starts (the durable writer's helper, loader workers).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if assignment.get("module"):
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
             return

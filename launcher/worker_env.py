@@ -65,6 +65,8 @@ class JobEnv:
     #: The job store as workers reach it (``recovery.store_address``); "" means the
     #: TCPStore at store_host:store_port.
     store_address: str = ""
+    #: "drain": workers ignore SIGTERM (see ``contract.ENV_ON_SIGTERM``).
+    on_sigterm: str = "leave"
 
     @property
     def world_size(self) -> int:
@@ -102,6 +104,8 @@ class JobEnv:
         )
         if self.job_key:
             env[contract.ENV_JOB_KEY] = self.job_key
+        if self.on_sigterm == "drain":
+            env[contract.ENV_ON_SIGTERM] = "drain"
         return env
 
     def rank_vars(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from launcher import worker_output
 from launcher.sigint_hold import sigint_held
 from launcher.zygote import Zygote, ZygoteError, forks_workers
+from recovery import drain
 from recovery.events import Event
 from replication.forked import ForkedProcess
 
@@ -46,9 +47,12 @@ def make_heartbeat_file(path: str) -> None:
 
     Hang detection is armed only once the worker touches the file, so a plain script
     that never heard of heartbeats is supervised by its exit code alone instead of being
-    killed as hung.
+    killed as hung. A drain request left next to it by an earlier run in the same run
+    directory (a requeued Slurm job; the names repeat) is removed first.
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + drain.STOP_SUFFIX)
     with open(path, "a"):
         pass
     os.utime(path, (0, 0))

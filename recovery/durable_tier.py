@@ -160,6 +160,29 @@ class DurableTier:
         self.persist_committed(replicator, final=True)
         self.writer.close()
 
+    def drain(self, replicator: Replicator, step: int) -> int | None:
+        """The job is stopping for its scheduler (:mod:`recovery.drain`): persist the
+        committed ``step`` now and wait for it. Returns ``step`` once it is on storage,
+        None without a writer, before any commit, or when the save failed."""
+        if self.writer is None or step <= 0:
+            return None
+        patience = self.settings.replication.timeout_s
+        self.writer.flush(patience)
+        if step > self.persisted_step:
+            try:
+                self._persist(replicator, step, final=True)
+            except SnapshotError as exc:  # this rank no longer holds the step
+                log.warning("durable save of step %d at the stop skipped on rank %d: %s",
+                            step, self.rank, exc)
+        ticket = self.ticket
+        self.writer.close(patience)
+        if ticket is None or ticket.step != step:
+            return None
+        try:
+            return step if ticket.result(0).status == "ok" else None
+        except TimeoutError:
+            return None
+
     # -- restoring -------------------------------------------------------------------
     def maybe_resume(self, replicator: Replicator) -> int | None:
         """A new job whose durable path holds checkpoints resumes from the newest valid

@@ -56,6 +56,7 @@ class Event(StrEnum):
     DURABLE_RESUME = "durable_resume"
     DURABLE_SAVE = "durable_save"  # a committed step handed to the durable writer
     FENCED = "fenced"
+    DRAINED = "drained"  # stopped for the scheduler: the committed step persisted (drain)
     FATAL = "fatal"
     FAULT_INJECTED = "fault_injected"
     REPLICAS_DIFFER = "replicas_differ"

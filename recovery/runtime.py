@@ -33,6 +33,7 @@ import torch.distributed as dist
 from recovery import (
     auth,
     divergence,
+    drain,
     elastic_controller,
     loader_position,
     process_groups,
@@ -303,6 +304,8 @@ class Checkpointless:
         """
         if isinstance(exc, RecoveryImpossible) or not isinstance(exc, Exception):
             raise exc
+        if drain.requested(self.env.heartbeat_file) or drain.job_draining(self.store):
+            drain.stop_for_scheduler(self)  # a peer left for the scheduler: no recovery
         if isinstance(exc, MemoryBudgetError):  # a replay would grow the state the same way
             self._fatal(str(exc))
         if not self.settings.recovery.enabled:
@@ -328,6 +331,8 @@ class Checkpointless:
     # -- the step boundary -------------------------------------------------------------
     def _before_step(self, step: int) -> None:
         self.step = self.faults.step = step
+        if drain.requested(self.env.heartbeat_file):  # the scheduler stops the job
+            drain.stop_for_scheduler(self)
         if self.watchdog.failure_pending:
             raise FailureDetected("a failure was declared by another participant")
         self.faults.at("step")

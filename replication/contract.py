@@ -22,6 +22,9 @@ ENV_RUN_DIR = f"{INTERNAL_PREFIX}RUN_DIR"  # events.jsonl and logs go here
 ENV_HEARTBEAT = f"{INTERNAL_PREFIX}HEARTBEAT"  # file whose mtime the agent watches
 ENV_JOB_ID = f"{INTERNAL_PREFIX}JOB_ID"  # the job id (torchrun's --rdzv-id)
 ENV_REPLACEMENT = f"{INTERNAL_PREFIX}REPLACEMENT"  # "1": a replacement joining mid-job
+#: "drain": a SIGTERM is the scheduler's, sent to every process of the job step; workers
+#: ignore it and their agent stops them (``recovery.drain``). Unset: the default action.
+ENV_ON_SIGTERM = f"{INTERNAL_PREFIX}ON_SIGTERM"
 #: The job key (hex) that seals trusted records (``replication.signing``); never logged.
 ENV_JOB_KEY = f"{INTERNAL_PREFIX}JOB_KEY"
 #: The resolved recipe as JSON, from the launcher to its workers (``recovery.recipe``).

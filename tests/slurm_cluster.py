@@ -12,6 +12,8 @@ job resolves ``n0``, as on a cluster with DNS), never ``ip netns exec``: that re
 ``/sys``, and slurmd's cgroup probe then fails. One ``munged`` (with its own key and
 socket, ``AuthInfo=socket=``) serves every node. The configuration, state, spools and
 logs live in the cluster's directory; nothing of the host's ``/etc/slurm`` is used.
+``cred_expire=10`` shortens the wait before a requeued job may start again (Slurm's
+default is 120 s).
 
 Client commands (sbatch, squeue, scontrol) run in the controller's namespace
 (:meth:`SlurmCluster.client`). :meth:`SlurmCluster.kill_node` SIGKILLs every process
@@ -144,7 +146,7 @@ SlurmctldHost=clctl({self.lab.addr(self.ctl)})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={r / 'munge.sock'}
+AuthInfo=socket={r / 'munge.sock'},cred_expire=10
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -156,7 +158,7 @@ ReturnToService=2
 SlurmdTimeout=10
 SlurmctldTimeout=10
 MinJobAge=600
-KillWait=5
+KillWait=30
 StateSaveLocation={r / 'state'}
 SlurmdSpoolDir={r / 'spool'}/%n
 SlurmctldPidFile={r / 'slurmctld.pid'}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -165,3 +166,35 @@ def test_lightning_demo_model_under_slurm_recovers_bit_identical(cluster, tmp_pa
     assert (info.state, info.status) == ("COMPLETED", 0), out[-4000:]
     assert [e["rank"] for e in job.events("replacement_assigned")] == [2]
     assert_same_final(ref, job)
+
+
+def test_scancel_term_persists_requeues_and_the_next_run_resumes_it(
+        cluster, reference, tmp_path):
+    """``scancel --signal=TERM`` (a preemption, or the time limit's --signal): every
+    node persists the newest committed step and exits 75, the batch script requeues
+    the job, and its next run resumes from that step, bit-identical to a run never
+    stopped."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+
+    def term_then_release(job_id: str) -> None:
+        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 10
+                                             for e in ev), "training to reach step 10", 120)
+        cluster.client("scancel", "--signal=TERM", job_id)
+        deadline = time.monotonic() + 90
+        while cluster.job(job_id).restarts < 1:  # the batch script requeued it
+            assert time.monotonic() < deadline, cluster.job(job_id).fields
+            time.sleep(0.2)
+
+    info, job, out = _submit(
+        cluster, run_dir, f"persistence.path={ckpt}", "persistence.every_n_steps=1000",
+        script_args=(*TRAIN_ARGS, "--step-sleep", "0.3"), during=term_then_release,
+        timeout_s=300)
+    assert (info.state, info.status, info.restarts) == ("COMPLETED", 0, 1), (
+        info.fields, out[-4000:])
+    drained = job.events("drained")
+    assert sorted(e["rank"] for e in drained) == [0, 1, 2, 3], out[-4000:]
+    steps = {e["step"] for e in drained}
+    assert len(steps) == 1 and {e["persisted"] for e in drained} == steps, drained
+    assert [e["step"] for e in job.events("durable_resume")][:1] == list(steps)
+    assert f"requeueing job {info.job_id} (exit 75)" in out, out[-4000:]
+    assert_same_final(reference[0], job)

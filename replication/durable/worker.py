@@ -46,6 +46,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
+from replication import contract
 from replication.durable.messages import (
     Abort,
     Init,
@@ -565,8 +566,12 @@ def _staged_waiter(seg: Any, abort: threading.Event):
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     # Its rank stops it (it exits when the rank's end of the pipe closes): a Ctrl-C
-    # that reaches the whole process group must not print a traceback from here.
+    # that reaches the whole process group must not print a traceback from here, and
+    # the SIGTERM Slurm sends every process of a job step must not kill the save the
+    # rank makes before it stops (recovery.drain).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get(contract.ENV_ON_SIGTERM) == "drain":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(args[0]))
     code = 0
     try:
