@@ -16,6 +16,13 @@ replication factor 2) with a spare node, run several ways in one invocation:
 - ``partition_recovery_s``: under etcd with every node in its own network namespace and
   etcd in another, node 1's link cut (its processes keep running); from the cut to the
   first step after the recovery. Needs root; ``null`` with a reason otherwise.
+- ``slurm_node_loss_recovery_s``: the c10d run's loss (node 1's agent and workers
+  SIGKILLed at step 8) in a job submitted to a real Slurm cluster through
+  ``examples/slurm/train.sbatch`` (slurmctld and one slurmd per network namespace,
+  ``tests/slurm_cluster.py``); Slurm sees the node's task die and must keep the step.
+  ``slurm_over_plain_node_loss`` is its ratio to ``node_loss_recovery_s_c10d``, and
+  ``slurm_node_loss_bit_identical`` compares it with a failure-free run under the same
+  Slurm (``--quick``: with the c10d run). Needs root and Slurm; ``null`` otherwise.
 
 Heartbeat timeout 3 s, interval 0.5 s in every run (the recipe's defaults are 10 s and
 1 s: detection scales with the timeout). What it does not capture: etcd on its own
@@ -93,6 +100,30 @@ def _partition(tmp: Path) -> dict[str, Any]:
             "partition_exit_codes": job.returncodes}
 
 
+def _slurm(tmp: Path, plain: JobResult, quick: bool) -> dict[str, Any]:
+    from tests import slurm_cluster
+
+    why = slurm_cluster.available()
+    if why is not None:
+        return {"slurm_node_loss_recovery_s": None, "slurm_skipped": why}
+    with slurm_cluster.SlurmCluster(tmp / "slurm", nodes=3).start() as cluster:
+        info, job, _out = cluster.run_template(
+            tmp / "slurm-loss", "recovery.fault=2:8:snapshot:node", *FAST, timeout_s=150)
+        if quick:
+            reference, what = plain, "the c10d node-1-loss run"
+        else:
+            progress("slurm: failure-free reference")
+            _info, reference, _out = cluster.run_template(tmp / "slurm-ref", *FAST,
+                                                          timeout_s=150)
+            what = "a failure-free run under the same Slurm"
+    fig = _recovery_figures(job)
+    return {"slurm_node_loss_recovery_s": fig.get("recovery_s"),
+            "slurm_node_loss_detect_s": fig.get("detect_s"),
+            "slurm_job_state": f"{info.state} {info.exit_code}",
+            "slurm_node_loss_bit_identical": _same_final(reference, job),
+            "slurm_reference": what}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="no failure-free etcd reference run")
@@ -133,8 +164,12 @@ def main() -> None:
             out["node0_loss_bit_identical"] = _same_final(reference, node0)
         progress("etcd in network namespaces: node 1's link cut")
         out.update(_partition(tmp))
+        progress("slurm: node 1 lost")
+        out.update(_slurm(tmp, c10d, args.quick))
     c, e = out.get("node_loss_recovery_s_c10d"), out.get("node_loss_recovery_s_etcd")
     out["etcd_over_c10d_node_loss"] = round(e / c, 3) if c and e else None
+    s = out.get("slurm_node_loss_recovery_s")
+    out["slurm_over_plain_node_loss"] = round(s / c, 3) if c and s else None
     out["wall_s"] = round(time.monotonic() - t0, 1)
     emit(out)
 

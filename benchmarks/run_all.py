@@ -217,12 +217,15 @@ BENCHES = {
             "node0_loss_recovered": ("==", True),
             "node0_loss_bit_identical": ("==", True),
             "etcd_over_c10d_node_loss": ("<=", 1.5),
+            "slurm_over_plain_node_loss": ("<=", 1.2),
+            "slurm_node_loss_bit_identical": ("==", True),
         },
         "note": "One 2-node x 2-worker job with a spare node, heartbeat timeout 3 s "
-                "(interval 0.5 s), four runs in one invocation: node 1 SIGKILLed under "
+                "(interval 0.5 s), runs in one invocation: node 1 SIGKILLed under "
                 "c10d and under etcd (3 members on loopback), node 0 SIGKILLed under "
-                "etcd (under c10d that ends the job), and node 1's link cut in network "
-                "namespaces with etcd in a namespace of its own. Recovery is measured "
+                "etcd (under c10d that ends the job), node 1's link cut in network "
+                "namespaces with etcd in a namespace of its own, and node 1 SIGKILLed in "
+                "a job under Slurm, with its failure-free reference. Recovery is measured "
                 "from the kill (or the cut) to the last rank's first step after the "
                 "recovery. Detection is about one heartbeat timeout (3.0-3.2 s here); "
                 "the rest is the replacement workers' start on the spare node and the "
@@ -230,7 +233,11 @@ BENCHES = {
                 "members on their own machines and real network latency are not "
                 "captured. Quick mode compares node 0's run with the c10d recovered run, "
                 "not with a failure-free one (the test suite does that: "
-                "tests/test_etcd_job.py, tests/test_partition.py).",
+                "tests/test_etcd_job.py, tests/test_partition.py). The Slurm run is the "
+                "c10d run's loss in a job submitted through examples/slurm/train.sbatch "
+                "to a real Slurm 22.05 (one slurmd per network namespace): its nodes talk "
+                "over veth pairs and a bridge where the plain run uses loopback, and "
+                "Slurm's controller and daemons share the 2 cores.",
     },
     "bench_scale": {
         "title": "Control plane at scale: commit, liveness, rendezvous, model to 16k (issue 18)",

@@ -33,6 +33,10 @@ ENV_CONFIG = "CHECKPOINTLESS_CONFIG_JSON"
 # -- environment a user may set ---------------------------------------------------------
 #: The job secret every node's agent shares; removed before workers start.
 ENV_JOB_SECRET = "CHECKPOINTLESS_JOB_SECRET"
+#: Where ``checkpointless run`` writes its exit status as it ends (``<path>.node<R>``):
+#: a batch script reads every node's there (srun reports only the highest status, and a
+#: node killed mid-job, 137, would hide the others' 0).
+ENV_STATUS_FILE = "CHECKPOINTLESS_STATUS_FILE"
 #: torchrun's job id, the fallback for scripts run under plain torchrun.
 ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 

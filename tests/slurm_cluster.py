@@ -28,12 +28,24 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests import netns
+from tests.recovery_harness import (
+    REPO,
+    SCRIPT,
+    TEST_JOB_SECRET,
+    TRAIN_ARGS,
+    JobResult,
+    clean_env,
+)
+
+#: The batch script users submit; the tests and the benchmark run it as shipped.
+TEMPLATE = REPO / "examples" / "slurm" / "train.sbatch"
 
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "munged")
 
@@ -105,6 +117,12 @@ class SlurmCluster:
             self.close()
             raise
         return self
+
+    def __enter__(self) -> SlurmCluster:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     def start_node(self, n: int) -> None:
         (self.root / "spool" / self.node_name(n)).mkdir(parents=True, exist_ok=True)
@@ -255,6 +273,32 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 raise TimeoutError(f"Slurm job {job_id} still {info.state} after "
                                    f"{timeout_s:.0f}s: {info.fields}")
             time.sleep(0.2)
+
+    def run_template(self, run_dir: Path, *overrides: str, script: str = SCRIPT,
+                     script_args: Sequence[str] = TRAIN_ARGS, timeout_s: float = 180,
+                     during: Callable[[str], None] | None = None,
+                     ) -> tuple[JobInfo, JobResult, str]:
+        """``sbatch --nodes=3`` the shipped template (``examples/slurm/train.sbatch``:
+        2 training nodes + 1 spare, 2 workers each), call ``during(job_id)`` if given,
+        and wait for the job to end. Returns Slurm's record of the job, the run's files
+        (events, final states) and the job's output."""
+        run_dir.mkdir(parents=True)
+        out = run_dir / "slurm.out"
+        env = {**clean_env(), "SLURM_CONF": str(self.conf), "SPARE_NODES": "1",
+               "NPROC_PER_NODE": "2", "CHECKPOINTLESS": f"{sys.executable} -m launcher.cli",
+               "CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET,
+               "CHECKPOINTLESS_STATUS_FILE": str(run_dir / "status")}
+        job_id = self.sbatch(
+            TEMPLATE, "--nodes=3", f"--output={out}", f"--chdir={REPO}", env=env,
+            args=("--run-dir", str(run_dir), "--rdzv-conf", "join_timeout=60", *overrides,
+                  script, *script_args))
+        if during is not None:
+            during(job_id)
+        info = self.wait_job(job_id, timeout_s)
+        text = out.read_text() if out.exists() else ""
+        job = JobResult(run_dir=run_dir, world_size=4, returncodes={}, agents={},
+                        elapsed_s=0.0)
+        return info, job, text
 
     # -- failures ------------------------------------------------------------------------
     def kill_node(self, n: int) -> list[int]:

@@ -15,7 +15,6 @@ Skipped without ``slurm-wlm`` and ``munge`` or without root, unless
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,16 +27,13 @@ from tests.lab_jobs import FAST_DETECTION, wait_events
 from tests.recovery_harness import (
     REPO,
     SCRIPT,
-    TEST_JOB_SECRET,
     TRAIN_ARGS,
     JobResult,
     assert_same_final,
-    clean_env,
 )
 
 pytestmark = pytest.mark.timeout(400)
 
-TEMPLATE = REPO / "examples" / "slurm" / "train.sbatch"
 _missing = slurm_cluster.available()
 if _missing is not None:
     if os.environ.get("TESTS_REQUIRE_SLURM") == "1":
@@ -58,25 +54,8 @@ def _submit(cluster: slurm_cluster.SlurmCluster, run_dir: Path, *overrides: str,
             script: str = SCRIPT, script_args: tuple[str, ...] = TRAIN_ARGS,
             timeout_s: float = 180, during: Callable[[str], None] | None = None,
             ) -> tuple[slurm_cluster.JobInfo, JobResult, str]:
-    """``sbatch --nodes=3`` the shipped template (2 training nodes + 1 spare, 2 workers
-    each), call ``during(job_id)`` if given, and wait for the job to end; returns
-    Slurm's record, the run's files and the job's output."""
-    run_dir.mkdir(parents=True)
-    out = run_dir / "slurm.out"
-    env = {**clean_env(), "SLURM_CONF": str(cluster.conf), "SPARE_NODES": "1",
-           "NPROC_PER_NODE": "2", "CHECKPOINTLESS": f"{sys.executable} -m launcher.cli",
-           "CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET}
-    job_id = cluster.sbatch(
-        TEMPLATE, "--nodes=3", f"--output={out}", f"--chdir={REPO}", env=env,
-        args=("--run-dir", str(run_dir), "--rdzv-conf", "join_timeout=60", *overrides,
-              script, *script_args))
-    if during is not None:
-        during(job_id)
-    info = cluster.wait_job(job_id, timeout_s)
-    text = out.read_text() if out.exists() else ""
-    job = JobResult(run_dir=run_dir, world_size=4, returncodes={}, agents={},
-                    elapsed_s=0.0)
-    return info, job, text
+    return cluster.run_template(run_dir, *overrides, script=script,
+                                script_args=script_args, timeout_s=timeout_s, during=during)
 
 
 @pytest.fixture(scope="module")
@@ -197,4 +176,17 @@ def test_scancel_term_persists_requeues_and_the_next_run_resumes_it(
     assert len(steps) == 1 and {e["persisted"] for e in drained} == steps, drained
     assert [e["step"] for e in job.events("durable_resume")][:1] == list(steps)
     assert f"requeueing job {info.job_id} (exit 75)" in out, out[-4000:]
+    assert_same_final(reference[0], job)
+
+
+def test_a_lost_agent_does_not_fail_a_job_the_others_finish(cluster, reference, tmp_path):
+    """Node 1's agent and workers SIGKILLed while its slurmd lives: srun reports the
+    task's 137 as the step's status, but the batch script reads every node's own
+    (CHECKPOINTLESS_STATUS_FILE): the spare node finished the job, so it is COMPLETED."""
+    info, job, out = _submit(cluster, tmp_path / "run", *FAST_DETECTION,
+                             "recovery.fault=2:8:snapshot:node")
+    assert [(e["node"], e["group"]) for e in job.events("node_takeover")] == [(2, 1)]
+    assert (info.state, info.status) == ("COMPLETED", 0), (info.fields, out[-4000:])
+    statuses = {p.name: p.read_text().strip() for p in (tmp_path / "run").glob("status.node*")}
+    assert statuses == {"status.node0": "0", "status.node2": "0"}, statuses
     assert_same_final(reference[0], job)

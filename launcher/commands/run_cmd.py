@@ -18,7 +18,7 @@ from launcher.run_args import RunArgs, UsageError, add_arguments, from_namespace
 from recovery.recipe import CheckpointlessConfig, load_config, read_recipe
 from recovery.recipe.fields import fields_by_path
 from recovery.recipe.schema import BLOCK_KEY
-from replication.contract import EXIT_USAGE
+from replication.contract import ENV_STATUS_FILE, EXIT_USAGE
 
 PROG = "checkpointless"
 _MAX_RESTARTS_PATH = ("recovery", "max_restarts")
@@ -96,10 +96,24 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     early = (zygote.Zygote.fork_early()
              if zygote.early_fork_allowed and zygote_start.wants_zygote(args) else None)
     code = Agent(args, cfg, run_dir, zygote=early).run()
+    _write_status(args, code)
     # Asks the program's entry point (launcher.cli.entry, which says why) to end this
     # process without interpreter teardown; callers of main() in-process are unaffected.
     ns.hard_exit = True
     return code
+
+
+def _write_status(args: RunArgs, code: int) -> None:
+    """This node's exit status, for a batch script (``contract.ENV_STATUS_FILE``)."""
+    path = os.environ.get(ENV_STATUS_FILE)
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(f"{path}.node{args.node_rank}", "w") as f:
+            f.write(f"{code}\n")
+    except OSError as exc:  # the status is a courtesy to the batch script
+        print(f"{PROG}: could not write the exit status to {path}: {exc}", file=sys.stderr)
 
 
 def resolve_config(args: RunArgs) -> CheckpointlessConfig:

@@ -21,10 +21,11 @@ ENV_PREFIX = "CHECKPOINTLESS_"
 
 #: Variables the runtime sets for its own processes; the config loader never reads them.
 #: (:data:`~replication.contract.ENV_JOB_SECRET` is the job secret: never config, never
-#: echoed; :data:`~replication.contract.ENV_CONFIG` is the resolved recipe itself.)
+#: echoed; :data:`~replication.contract.ENV_CONFIG` is the resolved recipe itself;
+#: :data:`~replication.contract.ENV_STATUS_FILE` is where an agent writes its status.)
 RESERVED_ENV = frozenset(
     {"CHECKPOINTLESS_RECIPE", "CHECKPOINTLESS_OVERRIDES", contract.ENV_CONFIG,
-     contract.ENV_JOB_SECRET}
+     contract.ENV_JOB_SECRET, contract.ENV_STATUS_FILE}
 )
 #: Any variable with this prefix is also the runtime's own (rank hand-off, generations...).
 RESERVED_ENV_PREFIX = "CHECKPOINTLESS_INTERNAL_"
