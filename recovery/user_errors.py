@@ -18,9 +18,13 @@ the user's code; the agents then stop the job with that line.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -87,11 +91,36 @@ def describe(exc: BaseException) -> str:
 def stop_job(reason: str, exc: BaseException) -> bool:
     """Record ``reason`` as the job's fatal reason; print the traceback and the line if
     this rank recorded it first (the others print one line). Returns whether it did."""
-    from recovery import protocol
-    from recovery.causes import FailureCause
     from recovery.env import WorkerEnv
 
     env = WorkerEnv.from_environ()
+    with _sigterm_held():  # the agent stops every worker once the record is there
+        return _record_and_say(env, reason, exc)
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+    """Hold a SIGTERM until this rank has said why the job stops, then act on it. The
+    agent stops the workers as soon as it reads the fatal record; under load it did so
+    between the record and the traceback, which was then never printed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if pending:
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _record_and_say(env: WorkerEnv, reason: str, exc: BaseException) -> bool:
+    from recovery import protocol
+    from recovery.causes import FailureCause
+
     first = True
     if env.launched:
         try:
@@ -105,6 +134,7 @@ def stop_job(reason: str, exc: BaseException) -> bool:
     if first and not isinstance(exc, SystemExit):  # its message was printed already
         shown = _shown(exc)
         traceback.print_exception(shown, chain=shown is exc)
+        sys.stderr.flush()
     print(f"checkpointless: {reason}" if first else
           f"checkpointless: rank {env.rank} stopped too ({describe(exc)})",
           file=sys.stderr, flush=True)

@@ -8,9 +8,13 @@ lines of tracebacks, never naming the exception.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 
-from tests.recovery_harness import REPO, agent_command, run_job, start_agent
+from tests.recovery_harness import REPO, agent_command, clean_env, run_job, start_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,3 +117,18 @@ def test_a_peer_killed_during_set_up_is_a_failure_not_a_bug(tmp_path):
     assert [e["step"] for e in job.events("worker_done")] == [6, 6], job.output()
     recoveries = job.events("recovery")
     assert recoveries and {e["target_step"] for e in recoveries} == {0}, recoveries
+
+
+def test_a_sigterm_while_the_reason_is_said_waits_for_it():
+    """The agent stops the workers as soon as the fatal record is there; the rank that
+    records it must still print its traceback and line (under load one never did)."""
+    code = ("import os, signal\n"
+            "from recovery.user_errors import _sigterm_held\n"
+            "with _sigterm_held():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)  # the agent, right after the record\n"
+            "    print('the traceback and the line', flush=True)\n"
+            "print('never: the held SIGTERM ends the process')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert proc.stdout == "the traceback and the line\n", proc.stdout
