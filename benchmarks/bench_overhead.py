@@ -1,4 +1,4 @@
-"""The always-on cost: the runtime against plain training, in one run (issue 19).
+"""The always-on cost: the runtime against plain training, in one run.
 
     python -m benchmarks.bench_overhead [--quick]      (last stdout line: JSON)
 

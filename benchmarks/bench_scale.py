@@ -1,5 +1,5 @@
-"""Scale harness (issue 18): the control plane's real code with up to 1,024-2,048
-simulated ranks, and the model to 16,384.
+"""Scale harness: the control plane's real code with up to 1,024-2,048 simulated ranks,
+and the model to 16,384.
 
     python -m benchmarks.bench_scale [--quick] [--write-docs]
 

@@ -19,7 +19,7 @@ from benchmarks._harness import REPO, progress
 
 BENCHES = {
     "bench_snapshot": {
-        "title": "Snapshot and replication cost (issue 2)",
+        "title": "Snapshot and replication cost",
         "accept": {
             "stall_over_memcpy": ("<=", 1.25),
             "torch_save_over_stall": (">=", 10),
@@ -34,13 +34,13 @@ BENCHES = {
                 "the fence. `stall_isolated_*` is the old measure, with nothing to "
                 "overlap. Noise-dominated on this 2-core host, and `memcpy_s` varies "
                 "between runs (about 12, 20 or 39 ms), which moves every ratio. "
-                "Session 6 (2026-11-22): an earlier full run, before a fence could take "
+                "An earlier full run (2026-11-22), before a fence could take "
                 "the copy over from the niced thread, gave 0.26 / 77 / 1.02 / 0.95 for "
                 "the four targets. Quick runs: `overhead_over_copy_cost` 0.51, 1.40, "
                 "-0.03, 0.73 before the take-over and 1.21, 0.33 after (`inline` in the "
                 "same runs: 0.41, 1.31, -0.17, 1.45, 1.90, 0.33); `stall_over_memcpy` "
                 "0.15-0.28 before and 0.46-0.82 after; `torch_save_over_stall` 38-145. "
-                "Session 7 quick runs: `overhead_over_copy_cost` 0.86 and 1.40 (`memcpy_s` "
+                "Later quick runs: `overhead_over_copy_cost` 0.86 and 1.40 (`memcpy_s` "
                 "15 and 12 ms). The four targets measure the snapshot (capture and commit, "
                 "k=1); `replication_s` is a k=2 round's network part (transfer, checks on "
                 "receipt, commit) against a raw gloo send of the same bytes. Replicating "
@@ -50,14 +50,14 @@ BENCHES = {
                 "on 2 cores; `replication.every_n_steps` trades that against lost work.",
     },
     "bench_recovery": {
-        "title": "In-process recovery vs torchrun full restart (issue 3)",
+        "title": "In-process recovery vs torchrun full restart",
         "accept": {"recovery_over_restart": ("<=", 0.15), "steps_lost": ("==", 0),
                    "bit_identical": ("==", True),
                    "recovery_over_restart_ddp": ("<=", 0.15),
                    "recovery_over_restart_fsdp2": ("<=", 0.15),
                    "step_time_after_recovery_over_before": ("<=", 1.1)},
         "note": "Three ways of averaging gradients, each against torchrun + DCP with the "
-                "same model and the same way (issue 14): `cl.all_reduce_gradients` (the "
+                "same model and the same way: `cl.all_reduce_gradients` (the "
                 "top-level figures), the user's `DistributedDataParallel` (`ddp`) and "
                 "`fully_shard` (`fsdp2`). `bit_identical` covers all three. "
                 "`ddp_step_over_manual_allreduce_step` compares failure-free median step "
@@ -67,20 +67,20 @@ BENCHES = {
                 "worker SIGKILL over the 50 before; it was about 4 while abandoned gloo "
                 "threads spun (ADR 0002, replaced by 0015). The windows include a warm "
                 "spare starting on the same 2 cores on both sides. Steps are short, so the "
-                "figure is noisy: quick runs gave 1.09, 1.09 and 0.97 (session 10). "
-                "Since session 12 a recovery also reseeds the replacement's replicas (ADR "
+                "figure is noisy: quick runs gave 1.09, 1.09 and 0.97. "
+                "A recovery now also reseeds the replacement's replicas (ADR "
                 "0018): the newcomer receives its source's state too, twice the bytes on "
                 "2 ranks. Quick run after it: 0.130 / 0.131 (DDP) / 0.148 (FSDP2) of a "
                 "restart (0.10 / 0.14 / 0.14 before), step time after 1.05x; the "
                 "survivor's transfer phase went from about 0.14 s to 0.19 s. ADR 0028 "
                 "(2026-11-25): the provider sends its replica where it lies, and a reseed "
                 "skips what the holder's own snapshot has (pure DP: half the bytes). Full "
-                "mode went from 0.30 / 0.29 / 0.28 to 0.21 / 0.22 / 0.23 (session 16), "
+                "mode went from 0.30 / 0.29 / 0.28 to 0.21 / 0.22 / 0.23, "
                 "quick mode to 0.09 / 0.12 / 0.14. Full mode misses 0.15 on replay: a kill "
                 "in step K's backward replays K-1 and K (K-1's round ends about 0.1 s into "
                 "K, its copy niced, ADR 0013), 0.42 s of DDP's 0.98 s recovery and 0.78 s "
-                "of FSDP2's 1.20 s. Session 17 (2026-11-27, the run below, same recovery "
-                "code): 0.19 / 0.20 / 0.23, step time after 1.12x (1.06x in session 16). "
+                "of FSDP2's 1.20 s. On 2026-11-27 (the run below, same recovery "
+                "code): 0.19 / 0.20 / 0.23, step time after 1.12x (1.06x in the full run before). "
                 "Whether K-1 is replayed is a race between the kill and K-1's round: in "
                 "three stand-alone DDP kill runs that day (no baseline in them), 0.73 s "
                 "from the kill to step K done where K-1 had committed, 1.12 s and 1.71 s "
@@ -96,7 +96,7 @@ BENCHES = {
                 "`replication.every_n_steps=1` keeps the former behaviour.",
     },
     "bench_persist": {
-        "title": "Durable tier, async persistence (issue 4; the writer on its own)",
+        "title": "Durable tier, async persistence (the writer on its own)",
         "accept": {
             "block_over_sync": ("<=", 0.05),
             "throughput_during_persist_ratio": (">=", 0.85),
@@ -104,19 +104,19 @@ BENCHES = {
         },
     },
     "bench_lightning": {
-        "title": "Lightning: in-process recovery vs torchrun restart with ckpt_path (issue 6)",
+        "title": "Lightning: in-process recovery vs torchrun restart with ckpt_path",
         "accept": {"lightning_recovery_over_restart": ("<=", 0.2),
                    "lightning_detect_s": ("<=", 1.0),
                    "bit_identical": ("==", True)},
         "note": "Rank 1 SIGKILLed in a training step's backward, with DDP's all-reduce "
                 "and Lightning's own per-batch broadcast on the runtime's process group "
-                "(no comm hook since session 9). `lightning_detect_s` runs from the kill "
+                "(no comm hook). `lightning_detect_s` runs from the kill "
                 "to the survivor's `failure_detected` (60 s, the collective timeout, "
-                "before issue 14). Quick runs in session 10: detect 0.02-0.32 s, "
+                "before ADR 0015). Earlier quick runs: detect 0.02-0.32 s, "
                 "`lightning_recovery_over_restart` 0.15-0.23; most of the recovery is the "
                 "warm spare running the script up to `fit` (0.4-0.5 s, the survivor's "
-                "`rendezvous_join_s`). Session 11 (issue 15: the observed loop state in "
-                "every snapshot, rank 0's logged rows held until their step commits), "
+                "`rendezvous_join_s`). With the observed loop state in "
+                "every snapshot and rank 0's logged rows held until their step commits, "
                 "three quick runs on an idle host: 0.11, 0.15 and 0.40 "
                 "(`lightning_recovery_s` 0.42, 0.58, 1.53 s; the 0.40 run's spare took "
                 "0.86 s to reach `fit`); detect 0.02-0.45 s. This job has no logger, so "
@@ -128,16 +128,16 @@ BENCHES = {
                 "snapshotted, 1 step replayed).",
     },
     "bench_goodput": {
-        "title": "Chaos soak: goodput under random failures (issue 7)",
+        "title": "Chaos soak: goodput under random failures",
         "accept": {"goodput_over_bound": (">=", 0.9), "bit_identical": ("==", True)},
         "note": "Quick mode: 2-3 failures, and one run is one sample: on this 2-core host a "
                 "false node loss (a starved agent) sinks a run now and then. README.md, "
                 "Chaos soak, gives the spread over runs and the last full-mode figures "
-                "(`make bench`, 50 failures, about 12 min). Since session 9 "
+                "(`make bench`, 50 failures, about 12 min). "
                 "`baseline_bit_identical` compares torchrun's chaos run with torchrun's own "
                 "failure-free run; `baseline_reference_identical` (against ours) is false "
                 "with 3+ ranks, because the runtime sums float all-reduces in rank order "
-                "and gloo's ring does not (ADR 0015). Session 10 (issue 21), full mode, "
+                "and gloo's ring does not (ADR 0015). Earlier full-mode runs, "
                 "seeds 0, 1, 2 in a row, each bit-identical with every fault fired: "
                 "50, 53 and 51 failures, 39, 43 and 40 incidents all recovered "
                 "in-process, `goodput_over_bound` 0.93, 1.01 and 1.03, "
@@ -157,7 +157,7 @@ BENCHES = {
                 "failures left no copy of it.",
     },
     "bench_overhead": {
-        "title": "The always-on cost: the runtime vs plain training, and where it pays (issue 19)",
+        "title": "The always-on cost: the runtime vs plain training, and where it pays",
         "accept": {
             "overhead_plain_k2_every1_device": ("<=", 0.03),
             "overhead_plain_default_cpu": ("<=", 0.03),
@@ -205,14 +205,14 @@ BENCHES = {
                 "lists the 1-minute load average around each job.",
     },
     "bench_dataloader_cache": {
-        "title": "Data loader cache (issue 5)",
+        "title": "Data loader cache",
         "accept": {
             "removed_fraction": (">=", 0.9),
             "first_batch_cached_over_uncached": ("<=", 0.1),
         },
     },
     "bench_node_loss": {
-        "title": "Node loss with the store in node 0 (c10d) or in etcd (issue 17)",
+        "title": "Node loss with the store in node 0 (c10d) or in etcd",
         "accept": {
             "node0_loss_recovered": ("==", True),
             "node0_loss_bit_identical": ("==", True),
@@ -240,7 +240,7 @@ BENCHES = {
                 "Slurm's controller and daemons share the 2 cores.",
     },
     "bench_scale": {
-        "title": "Control plane at scale: commit, liveness, rendezvous, model to 16k (issue 18)",
+        "title": "Control plane at scale: commit, liveness, rendezvous, model to 16k",
         "accept": {
             "commit_growth_64_to_1024": ("<=", 2),
             "store_ops_per_step_per_node_growth_64_to_1024": ("<=", 1),

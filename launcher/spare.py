@@ -314,7 +314,7 @@ def run_assigned(assignment: dict) -> None:
         if isinstance(exc, RecoveryImpossible):
             # The runtime's verdict, recorded as the job's fatal reason: the agents print
             # it in one line, and a repeated bug's traceback was printed once already.
-            # Python's report of it escaping the script would repeat both (issue 16).
+            # Python's report of it escaping the script would repeat both.
             raise SystemExit(contract.EXIT_FAILED) from None
         # A failure elsewhere (a peer killed while this rank waited in DDP's set-up
         # broadcast) is the job's failure to recover from, not the script's.

@@ -77,7 +77,7 @@ class Relay:
     def _write(self, dst: TextIO, line: bytes) -> None:
         # torch's C++ logging starts lines with "[rank3]:", and an error that quotes
         # another (a failure reported through a collective) nests them, up to 12 deep
-        # in issue 16's runs: every leading rank prefix goes, and this process's label
+        # in practice: every leading rank prefix goes, and this process's label
         # (the rank it runs now) is written once.
         data = f"[{self.label}]: ".encode() + _RANK_PREFIXES.sub(b"", line, count=1)
         with _LOCK:

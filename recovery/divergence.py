@@ -1,7 +1,7 @@
 """Run-time checks that the ranks still train one model, and the lines that say so.
 
 "Bit-identical" is a test-time claim unless a run checks it. Three checks turn it into
-a run-time one (issue 16), each an event plus one console line, and training goes on:
+a run-time one, each an event plus one console line, and training goes on:
 
 - :func:`check_replicas_agree`: data-parallel ranks that start from different weights
   (nanoGPT seeds each rank differently and relied on DDP's broadcast of rank 0's);

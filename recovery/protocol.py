@@ -220,7 +220,7 @@ def generation_of_process(store: dist.Store, rank: int, pid: int, seen_gen: int,
     (:func:`declare_failure`) therefore always leads past every generation it took
     part in, however stale the declarer's view; declaring from ``seen_gen`` folded a
     failure right after a recovery into the generation that had just ended, and
-    nobody recovered from it (issue 21).
+    nobody recovered from it.
     """
     return _newest_joined(store, [rank], lambda rec: rec.pid == pid, seen_gen, newest)
 

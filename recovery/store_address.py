@@ -6,7 +6,7 @@ Two backends (``checkpointless run --rdzv-backend``):
   ``HOST:PORT``, exactly as before, so ``MASTER_ADDR``-style tooling keeps working;
 - ``etcd``: an etcd v3 cluster next to the job holds every record; the address is
   ``etcd://H1:P1,H2:P2,.../JOB`` (the members, then the job's key prefix), and no agent
-  hosts anything, so any node may be lost (issue 17, ADR 0020).
+  hosts anything, so any node may be lost (ADR 0020).
 
 Agents and workers hand this string to :func:`connect` and get a ``dist.Store``: the
 protocol code above never knows which backend it runs on.

@@ -13,7 +13,7 @@ launched worker), a second daemon thread *blocks* in the store on the next
 generation's cause record (``store.wait``, answered by the server the moment a
 declarer writes it): no request at all while nothing fails. The first version polled
 every 50 ms, 20 requests a second per rank, which at 16k ranks is more than one c10d
-store serves (issue 18, ``docs/scale.md``). A wait that never times out is used because
+store serves (``docs/scale.md``). A wait that never times out is used because
 a c10d wait that times out logs two warnings each time. Sharing the caller's
 connection (a script run without the launcher), it polls, as a blocking wait would hold
 that connection.

@@ -3,13 +3,12 @@
 The tree commit (:mod:`.commit_tree`) agrees on a step over the side channel; the only
 store operation left on a step's path was rank 0's sealed write of the committed step.
 With etcd as the store, that write blocks while etcd has no quorum, so training stalled
-for as long as the quorum was lost, although nothing in training needed the store
-(issue 17). The record is now a hint for readers outside the agreement (the durable
-tier's "steps lost", the fault injector's log, ``checkpointless report``) and a
-candidate for the recovery target: the planner takes the newest step that any join
-record says is committed (``recovery.rendezvous.choose_plan``), so a lagging record
-never makes a recovery target a step some rank has already dropped (ADR 0022,
-addendum 2).
+for as long as the quorum was lost, although nothing in training needed the store.
+The record is now a hint for readers outside the agreement (the durable tier's "steps
+lost", the fault injector's log, ``checkpointless report``) and a candidate for the
+recovery target: the planner takes the newest step that any join record says is
+committed (``recovery.rendezvous.choose_plan``), so a lagging record never makes a
+recovery target a step some rank has already dropped (ADR 0022, addendum 2).
 
 :class:`CommittedRecorder` keeps the newest step to record and writes it from a thread
 of its own: latest wins, a write that fails (the store has no quorum) is retried with

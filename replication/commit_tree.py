@@ -5,7 +5,7 @@ sealed snapshot of the step and has received and verified every replica it is me
 hold. The first version counted acknowledgements in the job store (every rank ``add``
 to one key, then a wait on it: :class:`replication.commit.CommitLedger`). That costs the
 store O(world) operations per step, serialised on its one serving thread; at 1,024
-clients one commit took 193 ms (issue 18), longer than many training steps.
+clients one commit took 193 ms, longer than many training steps.
 
 Here the ranks agree among themselves, over the replication side channel they already
 share, along a ``FANOUT``-ary tree laid out by rank (rank ``r``'s parent is

@@ -79,9 +79,8 @@ class _RoundThread:
     round abandoned on a dead peer would then hold the process for its full timeout.
     Not a new thread per round either: ``Thread.start`` waits until the new thread runs:
     0.13 ms of loop stall per snapshot on this idle 2-core host, about 1 ms when it is
-    busy (cProfile of ``snapshot()``, issue 19), where handing a round to the waiting
-    thread costs 2 us. Rounds are sequential anyway (a snapshot waits for the previous
-    round first).
+    busy (cProfile of ``snapshot()``), where handing a round to the waiting thread costs
+    2 us. Rounds are sequential anyway (a snapshot waits for the previous round first).
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""``benchmarks/bench_snapshot.py`` on a tiny state: the issue's keys, and its arithmetic.
+"""``benchmarks/bench_snapshot.py`` on a tiny state: the acceptance keys, and its arithmetic.
 
 The figures of a run this small mean nothing (they are dominated by fixed costs); what
 is checked is that the benchmark runs end to end on 2 processes and that its last line

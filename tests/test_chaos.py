@@ -321,7 +321,7 @@ def _events(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(600)  # the run's own limit is 400 s, with the known stall (README)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ci_soak_survives_every_fault(tmp_path, seed):
-    """Issue 21's CI soak: 300 steps and at least 16 faults of every kind (kills, hangs,
+    """The CI soak: 300 steps and at least 16 faults of every kind (kills, hangs,
     exceptions, node losses, storage outages, failures during recoveries, second
     failures right after one), drawn from a fixed seed. Every fault fires, every one is
     recovered from, and the job ends bit-identical to its failure-free run. The full

@@ -1,4 +1,4 @@
-"""Ctrl-C ends the job with one line per node, at any moment (issue 16).
+"""Ctrl-C ends the job with one line per node, at any moment.
 
 A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the agent, its
 workers, the zygote, the spares and each rank's durable helper. Before, that printed

@@ -136,7 +136,7 @@ def test_plain_dcp_load_restores_a_whole_optimizer_and_scheduler(saved):
     """As the PyTorch docs write it: ``dcp.load({"model": m.state_dict(), "optim":
     opt.state_dict(), ...})`` then ``load_state_dict``. Non-tensor entries (``lr``,
     ``betas``, the scheduler's counters) are stored as DCP byte items, so nothing is
-    silently left at its fresh value (issue 15)."""
+    silently left at its fresh value."""
     root, _state, _objs, expected = saved
     _fresh, objs = make_state(seed=5)
     train(objs)  # Adam's state exists (a fresh optimizer's state_dict has none to fill)

@@ -1,4 +1,4 @@
-"""The job store on etcd (issue 17): c10d semantics on real etcd members, no mocks.
+"""The job store on etcd: c10d semantics on real etcd members, no mocks.
 
 Every test talks to real ``etcd`` processes on loopback (``tests/etcd_cluster.py``).
 Without ``/usr/bin/etcd`` the file is skipped, unless ``TESTS_REQUIRE_ETCD=1`` (CI),

@@ -1,4 +1,4 @@
-"""A failure right after a recovery (issue 21), under the real launcher, 2 nodes x 2.
+"""A failure right after a recovery, under the real launcher, 2 nodes x 2.
 
 The full chaos soak died this way: rank 1 was SIGKILLed, generation 1 recovered in a
 tenth of a second, and 0.3 s later rank 0 was SIGKILLed in the first step after it. Node
@@ -73,7 +73,7 @@ def _check_two_generations(job, victims: list[int]) -> None:
 
 
 @pytest.mark.parametrize("second", [
-    "0:8:replication:sigkill",  # the issue's sequence: rank 0, same node as rank 1
+    "0:8:replication:sigkill",  # the soak's sequence: rank 0, same node as rank 1
     "0:8:optimizer:sigkill",
     "3:8:snapshot:sigkill",     # the other node
 ])

@@ -1,4 +1,4 @@
-"""``recovery.max_restarts`` counts failures, not generations (issue 16).
+"""``recovery.max_restarts`` counts failures, not generations.
 
 One node loss took three generations (its watchers' declaration, a failure during the
 recovery, the spare node's takeover) and the demo said "recoveries: 3" after two

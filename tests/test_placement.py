@@ -164,7 +164,7 @@ def test_fewer_nodes_than_copies_falls_back_to_other_processes(node_of_rank, fac
     assert sum(len(s) for s in sources_of(holders)) == world * (factor - 1)
 
 
-# --- at scale (issue 18): 16,384 ranks on 2,048 nodes ------------------------------------
+# --- at scale: 16,384 ranks on 2,048 nodes -----------------------------------------------
 SCALE_NODES, SCALE_PER_NODE = 2048, 8
 
 

@@ -287,8 +287,8 @@ class _PreFixModel(ProtocolModel):
 
 
 def test_the_model_finds_the_soak_bug():
-    """Declaring from the agent's stale view (the code before issue 21) folds a failure
-    right after a recovery into the generation that just ended; the model must say so."""
+    """Declaring from the agent's stale view (the earlier code) folds a failure right
+    after a recovery into the generation that just ended; the model must say so."""
     with pytest.raises(Exception) as caught:  # one AssertionError, or a group of them
         run_state_machine_as_test(_PreFixModel, settings=MODEL_SETTINGS)
     errors = getattr(caught.value, "exceptions", [caught.value])

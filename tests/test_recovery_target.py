@@ -1,10 +1,10 @@
 """The recovery target when the store's committed-step record lags (ADR 0022, addendum 2).
 
 Rank 0 writes the committed step to the store off the training path, so that a store
-without quorum no longer stalls training (issue 17). The planner therefore also reads
-what each rank's join record says it learned is committed. These tests pin down the
-choice on hand-made records (pure computation), and the recorder against a real etcd
-member that is stopped and started again.
+without quorum no longer stalls training. The planner therefore also reads what each
+rank's join record says it learned is committed. These tests pin down the choice on
+hand-made records (pure computation), and the recorder against a real etcd member that
+is stopped and started again.
 """
 
 from __future__ import annotations

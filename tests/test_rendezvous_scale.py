@@ -1,8 +1,8 @@
 """A generation's rendezvous costs O(N) store operations in all, and every rank gets the
-same plan (issue 18): N threads, each a rank with its own client of a real TCPStore,
-run ``rendezvous.agree`` through a store wrapper that counts every request and every
-key it names. Also: the planner's death, a forged counter, a forged plan, a late
-joiner and an untrusted commit record, each on the same real store.
+same plan: N threads, each a rank with its own client of a real TCPStore, run
+``rendezvous.agree`` through a store wrapper that counts every request and every key it
+names. Also: the planner's death, a forged counter, a forged plan, a late joiner and an
+untrusted commit record, each on the same real store.
 
 Run with ``-s`` to see the measured totals (the figures in ``recovery/rendezvous.py``).
 """

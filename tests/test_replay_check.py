@@ -1,5 +1,5 @@
-"""A survivor's replay is checked against its first run, and data-parallel ranks
-against each other (issue 16).
+"""A survivor's replay is checked against its first run, and data-parallel ranks against
+each other.
 
 Adapting nanoGPT, whose loop fetches the next batch at the end of each step, a user who
 registers the loader but not the prefetched batch gets a recovery that reports success
@@ -137,9 +137,10 @@ def test_drift_is_judged_within_the_groups_that_matched():
 
 
 def test_a_replayed_step_is_printed_once(tmp_path):
-    """Issue 16: "the replayed step prints twice". Rank 1 dies in step 10's replication
-    round (after rank 0 printed step 10's loss, before step 10 was committed), so rank 0
-    rolls back to 9 and replays 10; ``cl.replaying(10)`` lets the script print it once."""
+    """A reported problem: "the replayed step prints twice". Rank 1 dies in step 10's
+    replication round (after rank 0 printed step 10's loss, before step 10 was
+    committed), so rank 0 rolls back to 9 and replays 10; ``cl.replaying(10)`` lets the
+    script print it once."""
     job = run_job(tmp_path / "run", nproc=2, timeout_s=90,
                   script_args=("--steps", "16", "--dim", "32", "--layers", "1", "--batch",
                                "4", "--seq-len", "16"),

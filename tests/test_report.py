@@ -238,7 +238,7 @@ def test_worker_output_relay_prefixes_whole_lines(capfd):
 
 
 def test_worker_output_is_prefixed_once_whatever_the_depth(capfd):
-    """torch's rank prefixes, nested when an error quotes another (issue 16 saw 12 deep),
+    """torch's rank prefixes, nested when an error quotes another (seen 12 deep),
     or naming the rank a process had before it was handed another: one label, the
     process's own rank now."""
     from launcher import worker_output

@@ -1,4 +1,4 @@
-"""``persistence.path`` is checked before training starts (issue 16).
+"""``persistence.path`` is checked before training starts.
 
 Before: a read-only directory was found out only by the saves (one error each, exit 0
 with no checkpoint), and an S3 endpoint that was down cost 77 s of botocore tracebacks
@@ -93,9 +93,10 @@ def test_the_job_stops_before_any_worker_starts(read_only_dir, tmp_path):
 
 
 def test_a_job_whose_s3_endpoint_is_down_stops_before_training_with_one_line(tmp_path):
-    """Issue 16's row: ``persistence.path=s3://...`` with the endpoint down cost 77 s of
-    botocore tracebacks, then the generic max_restarts line. Now: no worker starts, and
-    the job stops within the probe's deadline with one line naming persistence.path."""
+    """A reported case: ``persistence.path=s3://...`` with the endpoint down cost 77 s
+    of botocore tracebacks, then the generic max_restarts line. Now: no worker starts,
+    and the job stops within the probe's deadline with one line naming
+    persistence.path."""
     from tests.recovery_harness import run_job
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there

@@ -1,4 +1,4 @@
-"""Joining the job store never hangs and says what it waits for (issue 16).
+"""Joining the job store never hangs and says what it waits for.
 
 Real ``checkpointless run`` agents for node rank 1, pointed at ports where node 0's
 store is not: nothing listening, a service that accepts and never answers, and one

@@ -1,4 +1,4 @@
-"""A user's bug stops the job at once with one line; it is never retried (issue 16).
+"""A user's bug stops the job at once with one line; it is never retried.
 
 Real launcher, 2 workers. Before: a script that raised at import, ``-m`` with a module
 that does not exist, or a ``ValueError`` in step 7 were each retried
@@ -93,7 +93,7 @@ def test_the_same_exception_at_the_same_step_is_not_retried(tmp_path):
     fatal = job.events("job_failed")
     assert fatal and "deterministic failure" in fatal[0]["reason"], fatal
     # the traceback once (the first time, on the rank that raised), and a bounded
-    # console: issue 16 counted 465 lines of nested tracebacks for this script
+    # console: a reported case counted 465 lines of nested tracebacks for this script
     assert text.count("Traceback (most recent call last)") <= 2, text[-4000:]
     assert text.count("ValueError: bad batch shape") <= 6, text[-4000:]
     assert len(text.splitlines()) < 120, f"{len(text.splitlines())} lines\n{text[-4000:]}"
