@@ -592,6 +592,7 @@ class Checkpointless:
         return result.moved
 
     def _fatal(self, reason: str) -> None:
-        protocol.set_fatal(self.store, reason, rank=self.rank, gen=self.gen)
+        # The event first: the agent stops the workers as soon as the record is there
         self.log.emit(Event.FATAL, reason=reason)
+        protocol.set_fatal(self.store, reason, rank=self.rank, gen=self.gen)
         raise RecoveryImpossible(reason)
