@@ -304,7 +304,7 @@ class Checkpointless:
         """
         if isinstance(exc, RecoveryImpossible) or not isinstance(exc, Exception):
             raise exc
-        if drain.requested(self.env.heartbeat_file) or drain.job_draining(self.store):
+        if self.watchdog.stop_requested or drain.job_draining(self.store):
             drain.stop_for_scheduler(self)  # a peer left for the scheduler: no recovery
         if isinstance(exc, MemoryBudgetError):  # a replay would grow the state the same way
             self._fatal(str(exc))
@@ -331,7 +331,7 @@ class Checkpointless:
     # -- the step boundary -------------------------------------------------------------
     def _before_step(self, step: int) -> None:
         self.step = self.faults.step = step
-        if drain.requested(self.env.heartbeat_file):  # the scheduler stops the job
+        if self.watchdog.stop_requested:  # the scheduler stops the job (recovery.drain)
             drain.stop_for_scheduler(self)
         if self.watchdog.failure_pending:
             raise FailureDetected("a failure was declared by another participant")

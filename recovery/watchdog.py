@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from recovery.drain import requested as drain_requested
 from recovery.protocol import cause_key, current_generation
 
 #: A wait that does not end on its own: c10d reads a zero timeout as "now", and a
@@ -56,6 +57,9 @@ class Watchdog:
         self._seen = 0  # the newest generation observed in the store
         self._reported = 0  # the newest generation ``on_failure`` was called for
         self.on_failure = on_failure
+        #: The agent asked this worker to stop for the scheduler (``recovery.drain``):
+        #: looked for at each heartbeat, off the training thread, never in the step.
+        self.stop_requested = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="checkpointless-watchdog",
                                         daemon=True)
@@ -94,6 +98,7 @@ class Watchdog:
             if now - last_beat >= self.heartbeat_interval_s:
                 self.beat()
                 last_beat = now
+                self.stop_requested = self.stop_requested or drain_requested(self.heartbeat_file)
             if not self.blocking:
                 self._read_generation()
             self._report()
