@@ -50,7 +50,7 @@ class RecoveryConfig:
         },
     )
     ordered_allreduce: bool = field(
-        default=True,
+        default=False,
         metadata={"help": "sum float all-reduces in rank order (3+ ranks): results do not "
                           "depend on DDP's bucket layout, so recovered runs stay "
                           "bit-identical; costs (N-1)x the tensor in traffic"},

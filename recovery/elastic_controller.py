@@ -52,11 +52,12 @@ class Controller:
         self.store: dist.Store | None = None
         self.timeout_s = 60.0
         self.inner_backends: dict[str, str] = {"cpu": "gloo"}
-        self.ordered_allreduce = True
+        self.ordered_allreduce = False  # recovery.ordered_allreduce (ADR 0034)
         self.gen: int | None = None
         self.failure: str | None = None  # why collectives fail now, until activate()
         self.epoch = 0  # bumped by every fail(): a bind that raced with one is void
         self.local_collectives = 0
+        self.ordered_sums = 0  # all-reduces summed in rank order (recovery.ordered_allreduce)
         self._groups: list[weakref.ref[ElasticProcessGroup]] = []
         self._lock = threading.Lock()
         self._graveyard: list[tuple[list[_Inner], list[Any]]] = []

@@ -271,6 +271,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         of the tensor instead of ring's 2(N-1)/N: ``recovery.ordered_allreduce=false``
         turns it off.
         """
+        self._controller.ordered_sums += 1
         flat = tensor.detach().reshape(-1).contiguous()
         gathered = torch.empty(self._size * flat.numel(), dtype=flat.dtype)
 

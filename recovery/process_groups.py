@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recovery import elastic_controller, elastic_group, elastic_init
+from recovery import ddp_layout, elastic_controller, elastic_group, elastic_init
 
 _graveyard: list[tuple[float, Any]] = []
 _reaper: threading.Thread | None = None
@@ -35,7 +35,7 @@ _graveyard_lock = threading.Lock()
 
 def setup_training_group(
     store: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float, backend: str,
-    ordered_allreduce: bool = True,
+    ordered_allreduce: bool = False,
 ) -> bool:
     """Bind the default process group to generation ``gen``, creating it if needed.
 
@@ -70,7 +70,8 @@ def fail_training_groups(reason: str, wait_s: float = 5.0) -> None:
     ctl.wait_released(wait_s)
 
 
-def reset_parallel_modules(fresh_process: bool) -> tuple[int, int]:
+def reset_parallel_modules(fresh_process: bool,
+                           ddps_rebuilt: int | None = None) -> tuple[int, int]:
     """Bring the user's DDP and FSDP2 modules to where a replacement's are after a
     recovery; returns how many DDP and root FSDP2 modules were reset. One pass over
     the collector's objects finds both (about 30 ms in a process of a few million
@@ -81,6 +82,11 @@ def reset_parallel_modules(fresh_process: bool) -> tuple[int, int]:
     modules already are in the state every other rank's are brought to, and
     rebuilding its DDP reducers again would only cost time (a quarter of a second for
     50 MB of parameters).
+
+    ``ddps_rebuilt``: the training state's restore already gave this many DDPs reducers
+    over the target step's bucket layout (:mod:`recovery.ddp_layout`), so DDPs are left
+    alone; ``None`` (a state without that entry) rebuilds them over DDP's construction
+    layout, as torch's ``__setstate__`` does.
     """
     if fresh_process:
         return 0, 0
@@ -102,33 +108,12 @@ def reset_parallel_modules(fresh_process: bool) -> tuple[int, int]:
                 ddps.append(obj)
         elif isinstance(obj, FSDPModule) and obj._get_fsdp_state()._is_root:
             fsdps.append(obj)  # _is_root: None before the first forward, False inside
-    for ddp in ddps:
-        _rebuild_reducer(ddp)
+    if ddps_rebuilt is None:
+        for ddp in ddps:
+            ddp_layout.rebuild_reducer(ddp, None)
     for root in fsdps:
         _reset_fsdp_root(root)
-    return len(ddps), len(fsdps)
-
-
-def _rebuild_reducer(ddp: Any) -> None:
-    """Give a ``DistributedDataParallel`` a freshly built reducer.
-
-    DDP lays its gradient buckets out anew after its first iteration (in the order the
-    gradients became ready) and never again. A replacement's DDP is new, the
-    survivors' are not, so without this they would all-reduce buckets of different
-    layouts. Every survivor therefore rebuilds its reducer after a recovery, the way
-    torch's own ``DistributedDataParallel.__setstate__`` does: all start from the same
-    initial layout and rebuild their buckets together after the first step. Comm hooks
-    the script registered are registered again.
-    """
-    parameters, expect_sparse = ddp._build_params_for_reducer()
-    names = ddp._build_debug_param_to_name_mapping(parameters)
-    ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
-    if ddp.static_graph:
-        ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
-    for hook, state in getattr(ddp, "_comm_hooks", []):
-        dist._register_comm_hook(ddp.reducer, state, hook)
-    ddp._has_rebuilt_buckets = False
+    return len(ddps) if ddps_rebuilt is None else ddps_rebuilt, len(fsdps)
 
 
 def _reset_fsdp_root(root: Any) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from recovery import (
     auth,
+    ddp_layout,
     divergence,
     drain,
     elastic_controller,
@@ -100,6 +101,7 @@ class Checkpointless:
             if obj is not None:
                 self.state.register(name, obj)
         self.state.mark_optional("_loop")  # checkpoints of jobs without it load
+        self._ddp_layouts = ddp_layout.track(self.state)  # DDP's buckets as the state's step
         self.log = protocol.EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
                                      f"rank{self.rank}")
         self.auto_interval = AutoInterval.from_settings(  # every_n_steps: auto (either tier)
@@ -511,7 +513,8 @@ class Checkpointless:
         self._replay_warned = False
         self._dp_checked.clear()
         t_reset = time.perf_counter()
-        ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(fresh_process=newcomer)
+        ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(
+            newcomer, ddps_rebuilt=self._ddp_layouts.take_restored())
         self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)
         t_done = time.time()
         first = protocol.read_json(self.store, protocol.cause_key(gen)) or {}
@@ -583,9 +586,8 @@ class Checkpointless:
         return dataclasses.replace(plan, target_step=step or 0), 0
 
     def _transfer(self, plan: RecoveryPlan) -> int:
-        """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its
-        parts' times go to ``self._transfer_parts`` (the recovery event's
-        ``transfer_parts``). Returns the bytes moved."""
+        """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its parts'
+        times go to ``self._transfer_parts``. Returns the bytes moved."""
         assert self.replicator is not None
         result = self.replicator.recover(plan.target_step, plan.providers)
         self._transfer_parts, self._bytes_already_held = result.parts, result.skipped

@@ -30,23 +30,41 @@ def _thread_names() -> list[str]:
     return out
 
 
+def _bucket_layout(model: DDP) -> list[list[int]]:
+    """The reducer's gradient buckets as parameter indices, from torch's own reducer."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [[index[id(p)] for p in bucket.parameters()]
+            for bucket in model.reducer._get_zeros_like_grad_buckets()]
+
+
+def _ordered_sums() -> int:
+    """How many all-reduces the runtime summed in rank order instead of the backend's."""
+    from recovery import elastic_controller
+    return elastic_controller.controller().ordered_sums
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None)
+    ap.add_argument("--record-layouts", action="store_true",
+                    help="write the bucket layout each step's all-reduce used")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # DDP's constructor broadcasts rank 0's weights
     data = CharData(make_corpus(), 16, 4, rank, world, seed=0)
-    model = DDP(TinyGPT(data.vocab_size, args.dim, 1, seq_len=16))
+    cap = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    model = DDP(TinyGPT(data.vocab_size, args.dim, 1, seq_len=16), **cap)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cl = Checkpointless(model=model, optimizer=opt, loader=data)
     times: dict[int, float] = {}
     threads: dict[int, int] = {}
     names: dict[int, list[str]] = {}
+    layouts: dict[int, list[list[int]]] = {}
 
     def train_step(step: int) -> None:
         t0 = time.perf_counter()
@@ -54,6 +72,8 @@ def main() -> None:
         dist.broadcast(stop, 0)  # the user's own blocking collective, every step
         x, y = data.next_batch()
         loss_fn(model(x), y).backward()
+        if args.record_layouts:  # the buckets this step's gradients were reduced in
+            layouts[step] = _bucket_layout(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
@@ -67,7 +87,8 @@ def main() -> None:
         json.dump({"rank": rank, "step": cl.step, "digest": state_digest(model.module, opt),
                    "data_order": data.order_hash, "position": data.position, "gen": cl.gen,
                    "step_times": times, "threads": threads, "thread_names": names,
-                   "cpu_s": time.process_time()}, f)
+                   "cpu_s": time.process_time(), "layouts": layouts,
+                   "ordered_sums": _ordered_sums()}, f)
     dist.destroy_process_group()
 
 
