@@ -53,7 +53,7 @@ Layout = list[list[int]]
 """Bucket after bucket in the reducer's order, each a list of indices into the DDP's
 reducer parameters (``_build_params_for_reducer()``)."""
 
-_KNOWN = "_checkpointless_layout"  # on a DDP: (id of its reducer, its layout or None)
+_KNOWN = "_checkpointless_layout"  # on a DDP: (its reducer's id, layout or None, rebuilt)
 
 
 def find_ddps() -> list[Any]:
@@ -84,8 +84,9 @@ def settle(ddp: Any) -> None:
     """Run DDP's pending one-time bucket rebuild now, if one is pending.
 
     The rebuild is a collective (rank 0's layout is broadcast), so every rank must call
-    this at the same point: a capture, which every rank reaches at the same step. It is
-    a no-op (and no collective) before the first backward and after the rebuild.
+    this at the same point: a snapshot's capture, which every rank reaches at the same
+    step boundary (never inside a backward: torch's reducer asserts there). It is a
+    no-op (and no collective) before the first backward and after the rebuild.
     """
     if ddp.reducer._rebuild_buckets():
         ddp._has_rebuilt_buckets = True
@@ -96,16 +97,19 @@ def current_layout(ddp: Any) -> Layout | None:
     """The layout ``ddp``'s next step reduces over, or ``None`` for the construction
     layout with its rebuild still pending (or never coming: ``find_unused_parameters``)."""
     known = getattr(ddp, _KNOWN, None)
-    if known is not None and known[0] == id(ddp.reducer):
+    rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+    if known is not None and known[0] == id(ddp.reducer) and known[2] == rebuilt:
         return known[1]
-    if getattr(ddp, "_has_rebuilt_buckets", False):  # rebuilt by DDP's own forward
+    if rebuilt:  # rebuilt by DDP's own forward since we last looked
         _remember(ddp, _read_layout(ddp))
         return getattr(ddp, _KNOWN)[1]
     return None
 
 
 def _remember(ddp: Any, layout: Layout | None) -> None:
-    setattr(ddp, _KNOWN, (id(ddp.reducer), layout))
+    """Note the layout of ``ddp``'s current reducer, valid while neither the reducer nor
+    its rebuilt flag changes."""
+    setattr(ddp, _KNOWN, (id(ddp.reducer), layout, bool(ddp._has_rebuilt_buckets)))
 
 
 def _read_layout(ddp: Any) -> Layout:
@@ -135,7 +139,7 @@ def rebuild_reducer(ddp: Any, layout: Layout | None) -> None:
     for hook, state in getattr(ddp, "_comm_hooks", []):
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp._has_rebuilt_buckets = False
-    _remember(ddp, layout)
+    _remember(ddp, layout)  # valid until DDP's own rebuild (the same layout, re-read then)
 
 
 @contextlib.contextmanager
@@ -169,20 +173,29 @@ class BucketLayouts:
 
     NAME = "_ddp_layout"
 
-    def __init__(self) -> None:
+    def __init__(self, state: Any = None) -> None:
+        self._state = state  # its ``measuring`` flag: a capture that only sizes the state
         self._ddps: list[weakref.ref[Any]] = []
         self._scanned = False
-        self._pending: dict[str, Layout | None] | None = None  # restored, not applied yet
+        self._empty_scans_left = 3  # a script may wrap its model after the first capture
+        self._last_restored: dict[str, Layout | None] = {}  # for DDPs built after a restore
         self.restored: int | None = None  # DDPs a restore handled since take_restored()
 
     def _live(self) -> list[Any]:
-        if not self._scanned:
+        """The DDPs tracked: found by a scan at the first capture (again at the next few
+        while none is found; a job without DDP stops paying for the scan after that), at
+        every restore, or adopted."""
+        if not self._scanned or (not self._ddps and self._empty_scans_left > 0):
+            if self._scanned:
+                self._empty_scans_left -= 1
             self._ddps, self._scanned = [weakref.ref(d) for d in find_ddps()], True
         return [d for d in (ref() for ref in self._ddps) if d is not None]
 
     def state_dict(self) -> dict[str, Any]:
-        if self._pending is not None:
-            return {"ddp": dict(self._pending)}
+        if getattr(self._state, "measuring", False):
+            # Maybe mid-step (a recovery sizes the state before restoring it): a reducer
+            # inside an interrupted backward must not be asked to rebuild (torch asserts).
+            return {"ddp": {}}
         layouts: dict[str, Layout | None] = {}
         for ddp in self._live():
             settle(ddp)
@@ -196,7 +209,6 @@ class BucketLayouts:
         script) gets the construction layout, as before this entry existed."""
         restored: dict[str, Layout | None] = dict(state_dict.get("ddp", {}))
         self._ddps, self._scanned = [weakref.ref(d) for d in find_ddps()], True
-        self._pending = restored
         live = self._live()
         for ddp in live:
             layout = restored.get(signature(ddp))
@@ -204,8 +216,19 @@ class BucketLayouts:
                 _remember(ddp, None)  # never ran a forward: already the construction layout
             else:
                 rebuild_reducer(ddp, layout)
-        self._pending = None
+        self._last_restored = restored
         self.restored = len(live)
+
+    def adopt(self, ddp: Any) -> None:
+        """Track ``ddp``, a DDP built after the state was restored (Lightning wraps the
+        module anew for each ``fit`` attempt), as this rank's only one, and give it the
+        restored layout: the layout its step had in the failure-free run."""
+        self._ddps, self._scanned = [weakref.ref(ddp)], True
+        layout = self._last_restored.get(signature(ddp))
+        if layout is not None:
+            rebuild_reducer(ddp, layout)
+        else:
+            _remember(ddp, None)
 
     def take_restored(self) -> int | None:
         """How many DDPs a restore brought to their restored layout since the last call,
@@ -219,7 +242,7 @@ def track(state: Any) -> BucketLayouts:
     or return the one a runtime built on the same registry already registered."""
     if BucketLayouts.NAME in state:
         return dict(iter(state))[BucketLayouts.NAME]
-    entry = BucketLayouts()
+    entry = BucketLayouts(state)
     state.register(BucketLayouts.NAME, entry)
     state.mark_optional(BucketLayouts.NAME)
     state.exempt_from_replay_check(BucketLayouts.NAME)

@@ -251,7 +251,7 @@ class Replicator:
 
     def _expected_state_bytes(self) -> int:
         """The state's size now plus the optimizer state its first step will create."""
-        size = flatten(self.state.capture()).nbytes
+        size = flatten(self.state.measure()).nbytes
         return size + sum(
             lazy_optimizer_bytes(obj)
             for _, obj in self.state

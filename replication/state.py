@@ -69,6 +69,7 @@ class TrainingState:
         self._declared_optimizers: list[torch.optim.Optimizer] = []
         self.replay_exempt: frozenset[str] = frozenset()  # see exempt_from_replay_check
         self.optional: frozenset[str] = frozenset()  # see mark_optional
+        self.measuring = False  # see measure()
         if rng:
             self.register("rng", RNGState())
 
@@ -136,6 +137,16 @@ class TrainingState:
     def capture(self) -> dict[str, Any]:
         """State dicts of every entry, sharing storage with the live tensors."""
         return {name: obj.state_dict() for name, obj in self._entries.items()}
+
+    def measure(self) -> dict[str, Any]:
+        """:meth:`capture` to learn the state's size, not to snapshot it: possibly in the
+        middle of a step (a recovery sizes the state before restoring it), where an entry
+        must not act as at a step boundary (:attr:`measuring` is True meanwhile)."""
+        self.measuring = True
+        try:
+            return self.capture()
+        finally:
+            self.measuring = False
 
     def restore(self, states: Mapping[str, Any]) -> None:
         """Load ``states`` into the live objects, bit-exactly.

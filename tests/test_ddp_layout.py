@@ -21,8 +21,8 @@ from tests.recovery_harness import assert_same_final, assert_succeeded, run_job
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = "tests/launcher_scripts/ddp_user_loop.py"
-STEPS = 24
-FAULT_STEP = 12  # after step 8's commit (auto snapshots every 8 steps while it measures)
+STEPS = 28
+FAULT_STEP = 18  # step 8 committed by then: auto snapshots every 8 steps while it measures
 SETTINGS = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
 WORLDS = {
     # nodes: the DDP's bucket cap (MB). 4 ranks: DDP's default (one bucket, whose

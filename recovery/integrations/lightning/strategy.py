@@ -36,7 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
-from recovery import protocol
+from recovery import ddp_layout, protocol
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning import loop_state, replayed_saves
 from recovery.integrations.lightning.checkpoint_io import (
@@ -131,6 +131,15 @@ class CheckpointlessStrategy(DDPStrategy):
             if not self.deterministic:
                 self._settings.recovery.ordered_allreduce = False
         return self._settings
+
+    def _setup_model(self, model: Any) -> Any:
+        """Lightning's DDP, over the bucket layout of the restored step after a recovery
+        (each ``fit`` attempt wraps the module in a new DDP; see
+        :mod:`recovery.ddp_layout`)."""
+        ddp = super()._setup_model(model)
+        if self.session is not None:
+            ddp_layout.track(self.session.state).adopt(ddp)
+        return ddp
 
     def _configure_launcher(self) -> None:
         self._launcher = CheckpointlessLauncher(self)
