@@ -66,6 +66,7 @@ from recovery.elastic_work import (
     _WorkWaiter,
 )
 from recovery.errors import CollectiveAborted
+from recovery.ordered_sum import LANE_SUFFIX, SerialLane, rank_ordered_sum
 
 if TYPE_CHECKING:
     from recovery.elastic_controller import Controller, _Inner
@@ -100,6 +101,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self.timeout_s = timeout_s
         self.closed = False
         self._waiter = _WorkWaiter(f"checkpointless-pg-{bind_key or name}")
+        self._lane = SerialLane(f"checkpointless-ordered-{bind_key or name}")
         self._lock = threading.Lock()
         self._gen: int | None = None
         self._inner: dict[str, _Inner] = {}
@@ -140,6 +142,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
         inner: dict[str, _Inner] = {}
         for device, kind in self._controller.inner_backends.items():
             inner[device] = self._controller.make_inner(self, gen, device, kind, nonce)
+            if self._controller.ordered_allreduce and self._size > 2 and device == "cpu":
+                inner[device + LANE_SUFFIX] = self._controller.make_inner(
+                    self, gen, device + LANE_SUFFIX, kind, nonce)
         with self._lock:
             if self._controller.epoch != epoch:  # a failure was declared meanwhile
                 stale = list(inner.values())
@@ -255,35 +260,54 @@ class ElasticProcessGroup(dist.ProcessGroup):
         """Whether this all-reduce is summed in rank order (see :meth:`_ordered_sum`)."""
         if not self._controller.ordered_allreduce or self._size <= 2 or len(tensors) != 1:
             return False
-        t = tensors[0]
+        t = tensors[0]  # CPU only: the lane has not run over NCCL yet
         return (t.is_floating_point() and t.device.type == "cpu"
                 and opts.reduceOp == dist.ReduceOp.SUM)
 
     def _ordered_sum(self, tensor: torch.Tensor,
                      then: Callable[[], Any] | None = None) -> Any:
-        """A floating-point sum whose every element adds the ranks in rank order.
-
-        A ring all-reduce adds the ranks in an order that depends on where an element
-        sits in the buffer, and DDP's buffers are laid out anew after a recovery, so the
-        last bits of a recovered run would differ from a run without failures (with 3
-        or more ranks; a + b == b + a). Gathering every rank's tensor and adding them in
-        rank order makes the result independent of the layout, for (N-1)x the traffic
-        of the tensor instead of ring's 2(N-1)/N: ``recovery.ordered_allreduce=false``
-        turns it off.
-        """
+        """A floating-point sum whose every element adds the ranks in rank order, at a
+        ring's traffic, on this generation's ordered lane (:mod:`recovery.ordered_sum`)."""
+        device = self._device_of(tensor)
+        with self._lock:
+            failure, gen = self._failure, self._gen
+            lane = self._inner.get(device + LANE_SUFFIX) if gen is not None else None
+            if failure is None and gen is not None and lane is None:
+                failure = f"no ordered {device} lane in generation {gen}"
+            if failure is None and lane is not None:
+                op = _Op()
+                self._pending.add(op)
+        if failure is not None:
+            raise CollectiveAborted(f"checkpointless: collective aborted: {failure}")
+        if gen is None:  # not joined yet: the sum of one rank's tensor is itself
+            self._controller.local_collectives += 1
+            return _completed(then() if then is not None else [tensor])
         self._controller.ordered_sums += 1
-        flat = tensor.detach().reshape(-1).contiguous()
-        gathered = torch.empty(self._size * flat.numel(), dtype=flat.dtype)
 
-        def add_in_rank_order() -> list[torch.Tensor]:
-            parts = gathered.view(self._size, -1)
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total.add_(part)
-            tensor.copy_(total.view_as(tensor))
-            return then() if then is not None else [tensor]
-        return self._run([tensor], lambda b: b._allgather_base(
-            gathered, flat, AllgatherOptions()), lambda: [tensor], add_in_rank_order)
+        def issue(call: Callable[[], Any]) -> Any:
+            with self._lock:  # _fail() sees the work in flight, or we never issue it
+                if op not in self._pending:
+                    raise CollectiveAborted("checkpointless: collective aborted: "
+                                            f"{self._failure or 'the generation ended'}")
+                op.inner = call()
+                return op.inner
+
+        def job() -> None:
+            try:
+                rank_ordered_sum(lane.backend, tensor, self._size, issue)
+                value = then() if then is not None else [tensor]
+            except CollectiveAborted as exc:
+                op.finish(error=exc)
+            except RuntimeError as exc:  # the lane's own error: a peer went away
+                op.finish(error=_as_failure(exc))
+            except Exception as exc:  # a bug, not a peer: never mistaken for a failover
+                op.finish(error=exc)
+            else:
+                op.finish(value)
+            op.inner = None
+            self._drop(op)
+        self._lane.submit(job)
+        return _Work(op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceCoalescedOptions()

@@ -97,3 +97,20 @@ def test_a_kill_keeps_the_bucket_layout_and_the_bits(tmp_path, references, nodes
         assert final["ordered_sums"] == 0, (
             f"rank {rank} summed {final['ordered_sums']} all-reduces in rank order: "
             "bit-identity came from the ordered path, not the kept layout")
+
+
+def test_the_opt_in_ordered_sum_survives_a_kill_bit_identical(tmp_path):
+    """``recovery.ordered_allreduce=true``: DDP's buckets summed in rank order on the
+    ordered lane (rebuilt with each generation), a kill in the backward while sums are
+    in flight, the same bits as the failure-free run with the same setting."""
+    nodes, ordered = 3, ("recovery.ordered_allreduce=true",)
+    ref = run_job(tmp_path / "reference", nnodes=nodes, script=SCRIPT, script_args=_args(nodes),
+                  overrides=(*SETTINGS, *ordered), timeout_s=200)
+    assert_succeeded(ref)
+    job = run_job(tmp_path / "run", nnodes=nodes, script=SCRIPT, script_args=_args(nodes),
+                  overrides=(*SETTINGS, *ordered,
+                             f"recovery.fault=5:{FAULT_STEP}:backward:sigkill"), timeout_s=200)
+    assert_succeeded(job)
+    assert job.events("recovery")
+    assert_same_final(ref, job)
+    assert all(f["ordered_sums"] > 0 for f in job.finals().values())
