@@ -240,6 +240,9 @@ def measure(quick: bool) -> dict[str, Any]:
             p16["recovery_s"] - p16["recovery_parts"]["detection_s"]
             + M.detection_s(dataclasses.replace(a, heartbeat_timeout_s=10.0)), 2),
         "predicted_liveness_store_load_16384": p16["liveness_store_load"],
+        **{f"data_plane_bytes_per_rank_per_step_{n}": {
+            k: round(v) for k, v in M.data_plane_bytes_per_rank_per_step(n, a).items()}
+           for n in (1024, 16384)},
         "calibration": {**M.as_dict(cal), "link_rtt_p90_s": link["rtt_p90_s"],
                         "link_rtt_all_batches_median_s": link["rtt_all_median_s"],
                         "store_request_p90_s": store_cal["request_p90_s"],

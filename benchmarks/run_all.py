@@ -239,6 +239,27 @@ BENCHES = {
                 "over veth pairs and a bridge where the plain run uses loopback, and "
                 "Slurm's controller and daemons share the 2 cores.",
     },
+    "bench_allreduce": {
+        "title": "A DDP step at 4 and 6 ranks: default settings against plain torchrun",
+        "accept": {
+            "ddp_step_default_over_plain_gloo_4": ("<=", 1.05),
+            "ddp_step_default_over_plain_gloo_6": ("<=", 1.05),
+            "allreduce_bytes_per_rank_over_ring": ("<=", 1.1),
+            "ordered_sums_default": ("==", 0),
+        },
+        "note": "examples/gpt.py's TinyGPT (dim 256, 4 layers, sequence 64, batch 8 per "
+                "rank, 12.8 MB of gradients) under DDP, one torch thread per rank, all "
+                "ranks on this host: plain torchrun --standalone with gloo, then "
+                "checkpointless run --standalone with no settings (snapshots at the auto "
+                "interval and their replicas included in the mean step), then the same "
+                "with recovery.ordered_allreduce=true (`..._ordered_...`). Bytes are what "
+                "a rank wrote to its sockets per all-reduce of the gradients' size, after "
+                "training (/proc/self/io), over a ring's 2(N-1)/N; "
+                "`gather_sum_bytes_over_ring_<N>` is what the all-gather-then-add the "
+                "default used before sent, by arithmetic. 4 and 6 ranks share 2 cores, so "
+                "steps are CPU-bound; another host's network, NCCL and a failure are not "
+                "captured (bit-identity after a kill is tested in tests/test_ddp_layout.py).",
+    },
     "bench_scale": {
         "title": "Control plane at scale: commit, liveness, rendezvous, model to 16k",
         "accept": {

@@ -39,6 +39,9 @@ class Assumptions:
     side_bandwidth_Bps: float = 12.5e9  # per rank, gloo over TCP on a 100 Gb/s share
     pg_init_base_s: float = 2.0  # process-group re-creation, fixed part
     pg_init_s_at_16k: float = 10.0  # ... reaching this at 16,384 ranks (linear in N)
+    grad_bytes_per_rank: float = 2**30  # the gradients a data-parallel rank all-reduces
+    replication_factor: int = 2  # replication.factor default
+    snapshot_interval_steps: int = 8  # what every_n_steps: auto picked for cheap steps here
 
 
 # --- fits ---------------------------------------------------------------------------
@@ -180,3 +183,25 @@ def liveness_store_load(nodes: int, req_per_agent: float, keys_per_agent: float,
 
 def as_dict(x: Calibration | Assumptions) -> dict[str, float]:
     return dict(asdict(x))
+
+
+# --- the data plane -------------------------------------------------------------------
+
+
+def data_plane_bytes_per_rank_per_step(n: int, a: Assumptions) -> dict[str, float]:
+    """Bytes one rank sends per training step, by where they go (default settings).
+
+    - ``allreduce``: the gradients' all-reduce. With default settings it is the
+      backend's own (a ring: 2(N-1)/N of the gradients); bit-identity after a recovery
+      comes from DDP's bucket layout carried with the state (ADR 0034), not from the
+      traffic. ``allreduce_ordered`` is the opt-in rank-order sum (the same 2(N-1)/N);
+      ``allreduce_gather_sum`` what the all-gather-then-add it replaced sent ((N-1)x).
+    - ``replication``: (k-1) copies of the rank's state per snapshot, spread over the
+      snapshot interval (the chunks go to other nodes whatever N is).
+    """
+    ring = 2 * (n - 1) / n * a.grad_bytes_per_rank
+    replication = ((a.replication_factor - 1) * a.state_bytes_per_rank
+                   / a.snapshot_interval_steps)
+    return {"allreduce": ring, "allreduce_ordered": ring,
+            "allreduce_gather_sum": (n - 1) * a.grad_bytes_per_rank,
+            "replication": replication, "total_default": ring + replication}

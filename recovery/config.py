@@ -51,9 +51,18 @@ class RecoveryConfig:
     )
     ordered_allreduce: bool = field(
         default=False,
-        metadata={"help": "sum float all-reduces in rank order (3+ ranks): results do not "
-                          "depend on DDP's bucket layout, so recovered runs stay "
-                          "bit-identical; costs (N-1)x the tensor in traffic"},
+        metadata={"help": "opt-in: sum float all-reduces of 3+ ranks in rank order (an "
+                          "all-to-all, an add in rank order, an all-gather: a ring's "
+                          "traffic) so results never depend on how a buffer is laid out; "
+                          "not needed for DDP, whose bucket layout is kept across "
+                          "recoveries (ADR 0034). CPU tensors only"},
+    )
+    nccl_fixed_algorithm: bool = field(
+        default=False,
+        metadata={"help": "NCCL: set NCCL_ALGO=Ring and NCCL_PROTO=Simple (unless already "
+                          "set) before the first communicator, so a recovered step cannot "
+                          "be reduced by another algorithm than the failure-free run's on "
+                          "nodes that tune differently. Untested: needs several GPUs"},
     )
     store_outage_s: float = field(
         default=15.0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import threading
 import time
 import weakref
@@ -58,11 +59,17 @@ class Controller:
         self.epoch = 0  # bumped by every fail(): a bind that raced with one is void
         self.local_collectives = 0
         self.ordered_sums = 0  # all-reduces summed in rank order (recovery.ordered_allreduce)
+        self.nccl_fixed_algorithm = False  # recovery.nccl_fixed_algorithm (ADR 0034)
         self._groups: list[weakref.ref[ElasticProcessGroup]] = []
         self._lock = threading.Lock()
         self._graveyard: list[tuple[list[_Inner], list[Any]]] = []
         self._made_in_gen: dict[str, int] = {}
         self.on_retire_stuck: Callable[[Any], None] | None = None
+
+    def counters(self) -> dict[str, int]:
+        """What the recovery event reports: collectives completed locally before joining,
+        and all-reduces summed in rank order (``recovery.ordered_allreduce``)."""
+        return {"local_collectives": self.local_collectives, "ordered_sums": self.ordered_sums}
 
     def configure(self, store: dist.Store, timeout_s: float,
                   inner_backends: dict[str, str] | None = None) -> None:
@@ -118,6 +125,9 @@ class Controller:
             gloo = AbortableGloo.create(store, group._rank, group._size, timeout_s)
             return _Inner(kind, gloo.backend, gloo)
         if kind == "nccl":  # pragma: no cover - needs GPUs (untested here)
+            if self.nccl_fixed_algorithm:  # read by NCCL at its first communicator
+                os.environ.setdefault("NCCL_ALGO", "Ring")
+                os.environ.setdefault("NCCL_PROTO", "Simple")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=timeout_s)
             backend = dist.ProcessGroupNCCL(store, group._rank, group._size, opts)

@@ -126,6 +126,7 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
     settings = worker_config(wenv.config_json)
     ctl = controller()
     ctl.ordered_allreduce = settings.recovery.ordered_allreduce
+    ctl.nccl_fixed_algorithm = settings.recovery.nccl_fixed_algorithm
     if ctl.store is None:
         ctl.configure(wenv.connect_store(), timeout_s or settings.recovery.collective_timeout_s,
                       inner)

@@ -35,7 +35,7 @@ _graveyard_lock = threading.Lock()
 
 def setup_training_group(
     store: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float, backend: str,
-    ordered_allreduce: bool = False,
+    ordered_allreduce: bool = False, nccl_fixed_algorithm: bool = False,
 ) -> bool:
     """Bind the default process group to generation ``gen``, creating it if needed.
 
@@ -46,6 +46,7 @@ def setup_training_group(
     """
     ctl = elastic_controller.controller()
     ctl.ordered_allreduce = ordered_allreduce
+    ctl.nccl_fixed_algorithm = nccl_fixed_algorithm
     if ctl.store is None:
         ctl.configure(store, timeout_s, elastic_init.inner_backends_for(backend))
     created = not dist.is_initialized()

@@ -409,7 +409,7 @@ class Checkpointless:
         rs = self.settings
         self._created_group |= process_groups.setup_training_group(
             self.store, gen, self.rank, self.world_size, rs.recovery.collective_timeout_s,
-            self.backend, rs.recovery.ordered_allreduce,
+            self.backend, rs.recovery.ordered_allreduce, rs.recovery.nccl_fixed_algorithm,
         )
         old = self.replicator
         try:
@@ -531,7 +531,7 @@ class Checkpointless:
                 "transfer_parts": self._transfer_parts,
                 "bytes_already_held": self._bytes_already_held,
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
-                "local_collectives": elastic_controller.controller().local_collectives,
+                **elastic_controller.controller().counters(),
                 "recovered_at": t_done}
         self.log.emit(Event.RECOVERY, rank=self.rank, **info)
         self._resumed_from = info

@@ -103,3 +103,18 @@ def test_fits_recover_their_law():
     assert p["best"] == "a*N^b" and p["exponent"] == pytest.approx(1.5)
     g = M.best_fit(xs, [2.0 + 0.5 * math.log2(x) for x in xs])
     assert g["best"] == "a+b*log2(N)" and g["log"]["b"] == pytest.approx(0.5)
+
+
+def test_data_plane_counts_by_hand():
+    """A ring's 2(N-1)/N of the gradients with default settings, the same for the opt-in
+    ordered sum, (N-1)x for the all-gather-then-add it replaced; (k-1) states per
+    snapshot interval for replication."""
+    from benchmarks.scale_model import Assumptions, data_plane_bytes_per_rank_per_step
+
+    a = Assumptions(grad_bytes_per_rank=1000.0, state_bytes_per_rank=800.0,
+                    replication_factor=2, snapshot_interval_steps=8)
+    got = data_plane_bytes_per_rank_per_step(16384, a)
+    assert got["allreduce"] == got["allreduce_ordered"] == 2 * 16383 / 16384 * 1000.0
+    assert got["allreduce_gather_sum"] == 16383 * 1000.0
+    assert got["replication"] == 100.0
+    assert got["total_default"] == got["allreduce"] + 100.0

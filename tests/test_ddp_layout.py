@@ -93,6 +93,7 @@ def test_a_kill_keeps_the_bucket_layout_and_the_bits(tmp_path, references, nodes
         "layout and would not test the kept one")
     _assert_same_layouts(ref, job)
     assert_same_final(ref, job)
+    assert all(e["ordered_sums"] == 0 for e in job.events("recovery"))
     for rank, final in job.finals().items():
         assert final["ordered_sums"] == 0, (
             f"rank {rank} summed {final['ordered_sums']} all-reduces in rank order: "

@@ -74,6 +74,8 @@ def test_fsdp2_survives_a_kill(tmp_path, references, mesh, fault):
     assert recs and not [e for e in recs if e["gen"] > 1], "a second recovery"
     survivors = [e for e in recs if not e["newcomer"]]
     assert survivors and all(e["fsdp_modules_reset"] == 1 for e in survivors), survivors
+    # Default settings: bit-identity without summing anything in rank order (ADR 0034).
+    assert all(e["ordered_sums"] == 0 for e in recs), recs
     assert_same_final(references[mesh], job)
 
 

@@ -69,11 +69,10 @@ class CheckpointlessStrategy(DDPStrategy):
         overrides: ``key=value`` settings on top of ``recipe``.
         settings: ready-made runtime settings instead of a recipe.
         checkpoint_io: defaults to :class:`CheckpointlessCheckpointIO` (the durable tier).
-        deterministic: sum float all-reduces in rank order (``recovery.ordered_allreduce``),
-            so a recovered run ends bit-identical to one without failures at any world
-            size; ``False`` turns that setting off for this job: gloo's ring all-reduce
-            (less traffic; last-bit differences after a recovery with three or more
-            ranks, because DDP lays its buckets out anew).
+        deterministic: kept for scripts written for earlier versions: a recovered run is
+            bit-identical either way, since DDP's bucket layout is carried with the
+            state (ADR 0034). ``False`` also turns ``recovery.ordered_allreduce`` off
+            where a recipe turned it on.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``find_unused_parameters``, ``ddp_comm_hook``, ``timeout``, ...).
     """
