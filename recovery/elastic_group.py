@@ -174,23 +174,31 @@ class ElasticProcessGroup(dist.ProcessGroup):
             return tensors.device.type
         return "cpu"
 
+    def _begin(self, key: str) -> tuple[_Op | None, _Inner | None]:
+        """A new operation, pending on inner backend ``key`` (a device, or a device's
+        ordered lane) of this generation; ``(None, None)`` before this process joined
+        one. Raises :class:`CollectiveAborted` while a failure is declared."""
+        with self._lock:
+            failure, gen = self._failure, self._gen
+            inner = self._inner.get(key) if gen is not None else None
+            if failure is None and gen is not None and inner is None:
+                failure = f"no {key} backend in generation {gen}"
+            if failure is None and inner is not None:
+                op = _Op()
+                self._pending.add(op)
+                return op, inner
+        if failure is not None:
+            raise CollectiveAborted(f"checkpointless: collective aborted: {failure}")
+        return None, None
+
     def _run(self, tensors: Any, call: Callable[[Any], Any],
              local: Callable[[], Any], post: Callable[[], Any] | None = None) -> Any:
         """Run ``call(inner_backend)``, or ``local()`` before this process joined.
 
         ``post()``, if given, runs when the inner work succeeded and gives the value.
         """
-        with self._lock:
-            failure, gen = self._failure, self._gen
-            inner = self._inner.get(self._device_of(tensors)) if gen is not None else None
-            if failure is None and gen is not None and inner is None:
-                failure = f"no {self._device_of(tensors)} backend in generation {gen}"
-            if failure is None and inner is not None:
-                op = _Op()
-                self._pending.add(op)
-        if failure is not None:
-            raise CollectiveAborted(f"checkpointless: collective aborted: {failure}")
-        if gen is None:
+        op, inner = self._begin(self._device_of(tensors))
+        if op is None:
             self._controller.local_collectives += 1
             return _completed(local())
         try:
@@ -268,18 +276,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
                      then: Callable[[], Any] | None = None) -> Any:
         """A floating-point sum whose every element adds the ranks in rank order, at a
         ring's traffic, on this generation's ordered lane (:mod:`recovery.ordered_sum`)."""
-        device = self._device_of(tensor)
-        with self._lock:
-            failure, gen = self._failure, self._gen
-            lane = self._inner.get(device + LANE_SUFFIX) if gen is not None else None
-            if failure is None and gen is not None and lane is None:
-                failure = f"no ordered {device} lane in generation {gen}"
-            if failure is None and lane is not None:
-                op = _Op()
-                self._pending.add(op)
-        if failure is not None:
-            raise CollectiveAborted(f"checkpointless: collective aborted: {failure}")
-        if gen is None:  # not joined yet: the sum of one rank's tensor is itself
+        op, lane = self._begin(self._device_of(tensor) + LANE_SUFFIX)
+        if op is None:  # not joined yet: the sum of one rank's tensor is itself
             self._controller.local_collectives += 1
             return _completed(then() if then is not None else [tensor])
         self._controller.ordered_sums += 1
