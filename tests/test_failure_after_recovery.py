@@ -162,9 +162,14 @@ def test_a_kill_a_moment_after_a_recovery(tmp_path, reference, victim):
     """The second SIGKILL comes from outside, 0.1-0.5 s after the first resume, in
     whatever phase the victim is then."""
     delay = random.Random(victim).uniform(0.1, 0.5)
+    # Long enough that the kill lands in training: 40 steps of this model once ended
+    # 0.45 s after the resume, before the kill (a 4-rank step takes about 10 ms).
     job = run_job(tmp_path / "run", nnodes=2, spares=1, timeout_s=150,
-                  script_args=(*TRAIN_ARGS[:1], "40", *TRAIN_ARGS[2:]),
+                  script_args=(*TRAIN_ARGS[:1], "400", *TRAIN_ARGS[2:]),
                   overrides=[f"recovery.fault={FIRST_KILL}", *FAST],
                   during=_kill_after_resume(victim, delay))
     assert_succeeded(job)
+    done = min(e["ts"] for e in job.events("worker_done"))
+    assert any(e["rank"] == victim and e["exitcode"] != 0 and e["ts"] < done
+               for e in job.events("worker_exit")), "the second kill landed after training"
     _check_two_generations(job, [1, victim])
