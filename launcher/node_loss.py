@@ -103,7 +103,9 @@ class NodeLossHandling:
         loss (its watchers, the spare node taking over) count one failure."""
         info = membership.agent_info(self.store, node) or {}
         return {"kind": FailureCause.NODE_LOST, "node": node, "group": group,
-                "ranks": self._ranks(group), "agent_pid": info.get("pid")}
+                "ranks": self._ranks(group), "agent_pid": info.get("pid"),
+                # the node's last sign of life: its silence counts as detection
+                "silent_s": round(self.watch.silent_for(node), 3)}
 
     def _settle_lost_groups(self, gen: int) -> None:
         """Take over a lost group if idle; keep it where its node came back before

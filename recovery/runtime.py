@@ -39,6 +39,7 @@ from recovery import (
     loader_position,
     process_groups,
     protocol,
+    recovery_timeline,
     user_errors,
 )
 from recovery.auto_interval import AutoInterval
@@ -459,7 +460,7 @@ class Checkpointless:
 
     def _recover(self, cause: dict[str, Any], newcomer: bool = False) -> int:
         """Leave the failed generation, join the next one, restore; returns the step."""
-        t_detect = time.time()
+        t_detect, failed_gen = time.time(), self.gen
         rec = self.settings.recovery
         self.log.emit(Event.FAILURE_DETECTED, rank=self.rank, gen=self.gen, step=self.step,
                       cause=cause)
@@ -517,15 +518,12 @@ class Checkpointless:
             newcomer, ddps_rebuilt=self._ddp_layouts.take_restored())
         self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)
         t_done = time.time()
-        first = protocol.read_json(self.store, protocol.cause_key(gen)) or {}
-        timings = {
-            "detect_s": max(0.0, t_detect - float(first.get("ts", t_detect))),
-            "abort_s": t_abort - t_detect,
-            "rendezvous_s": t_pg - t_abort,
-            "rendezvous_join_s": t_rdzv - t_abort,
-            "transfer_s": t_done - t_pg,
-        }
+        causes = [protocol.read_json(self.store, protocol.cause_key(g)) or {}  # the episode's
+                  for g in range(gen if newcomer else max(failed_gen + 1, gen - 7), gen + 1)]
+        first = causes[-1]
+        timings = recovery_timeline.phases(causes, t_detect, t_abort, t_rdzv, t_pg, t_done)
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
+                "fault_at": recovery_timeline.fault_at(causes, t_detect),
                 "newcomers": plan.newcomers, "providers": plan.providers,
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
                 "transfer_parts": self._transfer_parts,

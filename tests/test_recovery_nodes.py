@@ -72,6 +72,27 @@ def test_node_lost_spare_node_takes_over(tmp_path, reference):
     # One failure, whatever its generations (the demo once said "recoveries: 3").
     done = job.events("job_done")
     assert done and all(e["failures"] == 1 for e in done), done
+    _assert_silence_is_detection(job, last)
+
+
+def _assert_silence_is_detection(job, last) -> None:
+    """The seconds from the kill to the recovered state add up, and the wait for the
+    node-loss verdict is detection, not rendezvous (the demo once printed "detect
+    0.052s, rendezvous 10.629s" for a node silent 10.4 s before it was declared)."""
+    from launcher.report.model import build_run
+
+    killed = job.events("fault_injected")[0]["ts"]
+    verdict = min(e["ts"] for e in job.events("node_lost"))
+    for e in last:
+        t = e["timings"]
+        total = t["detect_s"] + t["abort_s"] + t["rendezvous_s"] + t["transfer_s"]
+        assert abs(total - (e["recovered_at"] - e["fault_at"])) < 1e-3, e
+        assert e["fault_at"] <= killed + 0.5, (e["fault_at"], killed)  # the silence began
+        assert e["fault_at"] + t["detect_s"] >= verdict - 0.5, (t, verdict - e["fault_at"])
+        assert t["rendezvous_s"] < 3.0, t  # the spare's workers start; no silence in it
+    episode = build_run(read_events(job.run_dir / "events.jsonl")).recoveries[-1]
+    assert abs(sum(episode.phases.values()) - episode.recovery_s) < 1e-3, episode
+    assert episode.phases["detect_s"] >= verdict - killed - 0.5, episode.phases
 
 
 def test_two_failures_on_different_nodes(tmp_path, reference):

@@ -8,10 +8,12 @@ a recovery, so a node loss is one failure however many generations it took. For 
 episode this module gathers every piece of evidence (the agents' declared causes,
 injected faults, the workers' ``recovery`` and ``resumed`` events) and derives:
 
-* the failure time: the first injected fault when there is one, else the first
-  detection;
+* the failure time: the first injected fault when there is one, else the earliest
+  evidence (the first detection, or the last sign of life of a node or worker declared
+  lost from its silence: the recovery event's ``fault_at``);
 * the recovery phases of the *critical* rank, the one that finished recovering last:
-  detect (failure -> that rank noticed it), abort, rendezvous, transfer, first step.
+  detect (failure -> that rank knew what failed: its own notice, or the verdict on a
+  silent node or worker it waited for), abort, rendezvous, transfer, first step.
   They are the intervals between that rank's own timestamps (rebuilt from its
   ``recovered_at`` and ``timings``), clipped to the episode, so they are disjoint and
   add up to the recovery time (failure -> first step done after it); a rank that
@@ -216,6 +218,8 @@ def _fill_recovery(f: Failure, recs: list[dict[str, Any]],
     f.critical_rank = last.get("rank")
     f.target_step = int(last.get("target_step", -1))
     timings = last.get("timings") or {}
+    if last.get("fault_at") is not None:  # the last sign of life of what failed
+        f.fault_times.append(float(last["fault_at"]))
     t_pg = f.recovered_at - float(timings.get("transfer_s", 0.0))
     t_abort = t_pg - float(timings.get("rendezvous_s", 0.0))
     f.marks = (t_abort - float(timings.get("abort_s", 0.0)), t_abort, t_pg, f.recovered_at)
