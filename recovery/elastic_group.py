@@ -269,7 +269,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
         if not self._controller.ordered_allreduce or self._size <= 2 or len(tensors) != 1:
             return False
         t = tensors[0]  # CPU only: the lane has not run over NCCL yet
-        return (t.is_floating_point() and t.device.type == "cpu"
+        lane_built = self._gen is None or ("cpu" + LANE_SUFFIX) in self._inner
+        return (t.is_floating_point() and t.device.type == "cpu" and lane_built
                 and opts.reduceOp == dist.ReduceOp.SUM)
 
     def _ordered_sum(self, tensor: torch.Tensor,

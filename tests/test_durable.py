@@ -425,7 +425,9 @@ def test_staging_is_paced_unless_the_caller_needs_its_buffer_sooner(tmp_path, mo
     from replication.state import TrainingState
     from tests.helpers.training import Holder
 
-    monkeypatch.setattr(staging_module, "STAGE_BYTES_PER_S", 50e6)  # 32 MB: 0.64 s
+    # 32 MB paced at 25 MB/s: 1.28 s. Unpaced, the copy took 0.05 s on an idle host and
+    # 0.48 s on a loaded one (2 cores, the suite's other files): the bounds leave room.
+    monkeypatch.setattr(staging_module, "STAGE_BYTES_PER_S", 25e6)
     state = TrainingState()
     state.register("big", Holder({"w": torch.randn(8 << 20)}))
     engine = SnapshotEngine(state)
@@ -438,7 +440,7 @@ def test_staging_is_paced_unless_the_caller_needs_its_buffer_sooner(tmp_path, mo
             assert ticket.wait_released(10)
             took.append(time.monotonic() - t0)
             assert ticket.result(30).status == "ok"
-    assert took[0] >= 0.5 and took[1] < 0.3, took
+    assert took[0] >= 1.0 and took[1] < 0.7, took
 
 
 def test_a_save_submitted_just_before_close_is_written(tmp_path):
