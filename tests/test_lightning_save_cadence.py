@@ -67,14 +67,21 @@ def _history(persist: Path) -> dict[int, dict[int, str]]:
     return saved
 
 
-def _assert_every_due_save_made(persist: Path) -> list[int]:
+def _assert_every_due_save_made(persist: Path,
+                                 killed_in_flight: frozenset[tuple[int, int]] = frozenset(),
+                                 ) -> list[int]:
     """Every due step reached every rank's writer; returns the complete checkpoints,
-    which are exactly the due steps no rank's writer skipped."""
+    which are exactly the due steps no rank's writer skipped. ``killed_in_flight``:
+    (step, rank) saves whose writer was killed while it wrote them, at a step the
+    recovery did not go back to: nobody holds that state any more, so that checkpoint
+    stays incomplete (never listed, never restored) and the one before it stands."""
     history = _history(persist)
     assert sorted(history) == DUE, history
-    assert all(set(ranks) == set(range(WORLD)) for ranks in history.values()), history
+    assert all(set(ranks) | {r for s, r in killed_in_flight if s == step} == set(range(WORLD))
+               for step, ranks in history.items()), (history, killed_in_flight)
     complete = _complete_steps(persist)
-    assert complete == [s for s in DUE if set(history[s].values()) == {"ok"}], history
+    assert complete == [s for s in DUE if set(history[s].values()) == {"ok"}
+                        and len(history[s]) == WORLD], history
     assert STEPS in complete and len(complete) >= len(DUE) // 2, history
     return complete
 
@@ -123,6 +130,18 @@ def test_saves_due_at_epoch_ends_slip_by_one_step(reference):
     assert "skipped" not in out.split("ends an epoch")[1].splitlines()[0]
 
 
+def _killed_in_flight(job) -> frozenset[tuple[int, int]]:
+    """The victim's saves handed to its writer before the kill, at steps before the
+    recovery's target (so never made again), that its writer had not recorded: written
+    when the kill came (seen once on a loaded host, rank 0's part of step 9, 0.43 s
+    after it was handed over)."""
+    fault = job.events("fault_injected")[0]
+    victim, target = fault["rank"], min(e["target_step"] for e in job.events("recovery"))
+    handed = {e["step"] for e in job.events("durable_save")
+              if e["rank"] == victim and e["ts"] < fault["ts"] and e["step"] < target}
+    return frozenset((step, victim) for step in handed)
+
+
 @pytest.mark.parametrize("fault,spares", [
     ("2:8:backward:sigkill", 1),    # step 7's save not handed over by anyone yet
     ("0:14:optimizer:sigkill", 0),  # rank 0, after the slipped save of step 13
@@ -136,7 +155,7 @@ def test_a_kill_keeps_the_same_checkpoints(tmp_path, reference, fault, spares):
     assert_succeeded(job)
     assert len(job.events("fault_injected")) == 1 and job.events("recovery"), job.output()
     assert_same_final(ref_job, job)
-    complete = _assert_every_due_save_made(persist)
+    complete = _assert_every_due_save_made(persist, _killed_in_flight(job))
     assert complete, "nothing to compare"
     for step in set(complete) & set(_complete_steps(ref_persist)):
         for rank in range(WORLD):
