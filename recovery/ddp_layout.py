@@ -54,6 +54,7 @@ Layout = list[list[int]]
 reducer parameters (``_build_params_for_reducer()``)."""
 
 _KNOWN = "_checkpointless_layout"  # on a DDP: (its reducer's id, layout or None, rebuilt)
+_SIGNATURE = "_checkpointless_signature"  # on a DDP: signature()
 
 
 def find_ddps() -> list[Any]:
@@ -74,10 +75,15 @@ def find_ddps() -> list[Any]:
 
 def signature(ddp: Any) -> str:
     """A name for ``ddp`` that every rank computes alike: the module's class, and the
-    count and total size of its reducer parameters."""
-    params = ddp._build_params_for_reducer()[0]
-    return (f"{type(ddp.module).__qualname__}:{len(params)}:"
-            f"{sum(p.numel() for p in params)}")
+    count and total size of its reducer parameters. Kept on the DDP once computed: every
+    snapshot's capture asks, and the parameters of a DDP do not change."""
+    name = getattr(ddp, _SIGNATURE, None)
+    if name is None:
+        params = ddp._build_params_for_reducer()[0]
+        name = (f"{type(ddp.module).__qualname__}:{len(params)}:"
+                f"{sum(p.numel() for p in params)}")
+        setattr(ddp, _SIGNATURE, name)
+    return name
 
 
 def settle(ddp: Any) -> None:

@@ -17,7 +17,7 @@ WORKER = "tests.workers.ordered_sum_worker"
 NUMEL = 1 << 20  # 4 MB of float32: headers are noise
 
 
-@pytest.mark.parametrize("world", [3, 4, 5])
+@pytest.mark.parametrize("world", [3, 5])
 def test_the_ordered_sum_adds_in_rank_order_at_a_rings_traffic(tmp_path, world):
     run = run_workers(WORKER, world, {"port": free_port(), "ordered": True,
                                       "bytes_numel": NUMEL}, tmp_path, timeout_s=90)
