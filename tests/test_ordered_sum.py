@@ -1,10 +1,10 @@
 """The opt-in ordered all-reduce (``recovery.ordered_allreduce``; ADR 0034).
 
-Real processes, real gloo, the runtime's own process group, 3 and 5 ranks: every element is the ranks'
-values added in rank order (exactly, for odd sizes and shapes, with another collective
-issued while the sum is in flight), the result does not depend on the buffer's layout,
-each rank sends what a ring sends (measured on its sockets), and a failure declared
-while a rank waits on a sum ends the wait at once.
+Real processes, real gloo, the runtime's own process group, 3 and 5 ranks: every
+element is the ranks' values added in rank order (exactly, for odd sizes and shapes,
+with another collective issued while the sum is in flight), the result does not depend
+on the buffer's layout, each rank sends what a ring sends (measured on its sockets),
+and a failure declared while a rank waits on a sum ends the wait at once.
 """
 
 from __future__ import annotations
