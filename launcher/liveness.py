@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from launcher.job_store import OP_TIMEOUT_S, StoreUnavailable, connect_store
 from launcher.membership import reassert_owner, registered_nodes
-from recovery import auth, protocol, store_address
+from recovery import auth, protocol, store_address, world
 from recovery.store_address import StoreAddress
 from replication import signing
 
@@ -452,7 +452,10 @@ class DoneWatch:
         if not idle or now < self._next_check:
             return False
         self._next_check = now + self.recheck_s
-        return protocol.all_done(store, self.world_size)
+        # The launch ranks that train now: a shrunk job is done without its retired ones.
+        slots = world.current(store, 1 << 62, self.world_size).slots
+        values = auth.read_all(store, [protocol.done_key(r) for r in slots])
+        return values is not None and all(v is not None for v in values)
 
     def finished(self, store: dist.Store) -> int:
         """How many ranks finished (one read when none has)."""

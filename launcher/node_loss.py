@@ -37,7 +37,7 @@ from launcher import membership
 from launcher.liveness import PeerWatch
 from launcher.run_args import RunArgs
 from launcher.worker_procs import SparePool, Worker, stop_processes
-from recovery import protocol
+from recovery import protocol, world
 from recovery.causes import FailureCause
 from recovery.config import RecoveryConfig
 from recovery.events import Event
@@ -127,11 +127,51 @@ class NodeLossHandling:
                   and membership.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
+            elif (self.rcfg.on_no_spare == "shrink" and self.group is not None
+                  and time.monotonic() - lost.detected_at > self.rcfg.spare_wait_s
+                  and membership.take_over(self.store, g, lost.lost_node, world.RETIRED)):
+                del self.lost_groups[g]
+                self._shrink(g, lost)
             elif (time.monotonic() - lost.detected_at
                   > TAKEOVER_PATIENCE * self.rcfg.heartbeat_timeout_s):
                 del self.lost_groups[g]
                 protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
                                    f"{self._ranks(g)}) and no spare node took them over")
+
+    def _shrink(self, group: int, lost: LostGroup) -> None:
+        """Retire the lost ``group`` (this agent won its owner record) and publish the
+        smaller world, then declare the generation that trains in it (ADR 0035).
+
+        The world is read from the owner records after the retirement, and published
+        again if they changed meanwhile (another agent retiring another group at once).
+        The generation is declared from the one current after the record is written, so
+        every rank of the generation that applies it reads the same world.
+        """
+        configured = self.args.world_size
+        while True:
+            gen = protocol.current_generation(self.store)
+            owners = membership.owners(self.store, self.args.nnodes)
+            slots = tuple(r for g, owner in sorted(owners.items()) if owner != world.RETIRED
+                          for r in self._ranks(g))
+            if not slots:
+                protocol.set_fatal(self.store, f"node {lost.lost_node} lost and no node is "
+                                   "left to train on")
+                return
+            new = world.publish(self.store, world.World(configured, slots, after_gen=gen))
+            again = membership.owners(self.store, self.args.nnodes)
+            if again == owners:
+                break
+        ranks = self._ranks(group)
+        self._emit(Event.WORLD_SHRUNK, lost_node=lost.lost_node, group=group, ranks=ranks,
+                   world=list(slots), configured=configured, version=new.version,
+                   waited_s=round(time.monotonic() - lost.detected_at, 3))
+        self._log(f"no spare node took ranks {ranks} of lost node {lost.lost_node} within "
+                  f"{self.rcfg.spare_wait_s:g}s: the job shrinks to {new.describe()}; the "
+                  f"global batch is kept, so expect about {len(slots) / configured:.0%} of "
+                  "the throughput")
+        cause = {**self._node_lost_cause(lost.lost_node, group),
+                 "kind": FailureCause.WORLD_SHRUNK, "world": list(slots)}
+        self._declare(protocol.current_generation(self.store), cause)
 
     def _returned(self, node: int, gen: int) -> bool:
         """The lost ``node`` heartbeats again (checked once per node: its other groups
@@ -178,7 +218,9 @@ class NodeLossHandling:
         self._emit(Event.NODE_FENCED, group=self.group, ranks=ranks, taken_over_by=taker)
         leaving = "staying idle: it hosts the job's store" if self.args.hosts_store else (
             f"leaving the job (exit {EXIT_FENCED})")
-        self._log(f"this node was declared lost and node {taker} took ranks {ranks} over; "
+        what = ("the job shrank without its ranks" if taker == world.RETIRED
+                else f"node {taker} took ranks {ranks} over")
+        self._log(f"this node was declared lost and {what}; "
                   f"stopping this node's workers and {leaving}")
         stop_processes([w.proc for w in self.workers.values()], grace_s=0.0)
         self.workers.clear()

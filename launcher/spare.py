@@ -289,11 +289,7 @@ def run_assigned(assignment: dict) -> None:
             # decides and asks for the drain (recovery.drain). SIG_IGN is inherited by
             # what the script starts (the durable writer's helper, loader workers).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if assignment.get("module"):
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-            return
-        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+        _run_in_current_world(argv, bool(assignment.get("module")))
     except SystemExit as exc:
         from recovery import user_errors
 
@@ -322,6 +318,30 @@ def run_assigned(assignment: dict) -> None:
                 or classify(exc, lambda: False) is FailureCause.PEER_FAILURE):
             raise
         user_errors.stop_before_first_step(exc)
+
+
+def _run_in_current_world(argv: list[str], module: bool) -> None:
+    """Run the script at this process's rank in the job's current world, and again
+    each time the world changes under it (a shrink: :mod:`recovery.world_resize`)."""
+    from recovery import world, world_resize
+
+    while True:
+        try:
+            world_resize.enter_current_world(os.environ)
+        except world.RetiredSlot as exc:  # its node was lost and the job went on without it
+            print(f"checkpointless: {exc}", file=sys.stderr, flush=True)
+            os._exit(contract.EXIT_FENCED)
+        sys.argv = list(argv)
+        try:
+            if module:
+                runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+                return
+            sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+            return
+        except world_resize.WorldResized:
+            pass
+        world_resize.after_script()  # out of the except block: its traceback is gone
 
 
 def _interrupted() -> NoReturn:

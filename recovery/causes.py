@@ -33,6 +33,9 @@ class FailureCause(StrEnum):
     PEER_FAILURE = "peer_failure"  # a worker's collective failed because a peer did
     FAILURE_DURING_RECOVERY = "failure_during_recovery"  # a recovery was interrupted
     REPLACEMENT = "replacement"  # a replacement process joining (not a failure at all)
+    #: No spare took a lost node's ranks: the job goes on without them (ADR 0035). The
+    #: node loss behind it was declared, and counted, already.
+    WORLD_SHRUNK = "world_shrunk"
     #: A bug in the user's script stopped the job (``recovery.user_errors``). Only the
     #: job's fatal record carries it: such a failure is never declared nor retried.
     USER_ERROR = "user_error"
@@ -43,6 +46,7 @@ class FailureCause(StrEnum):
 #: are not failures of their own; the agent declares the process or node behind them.
 CONSEQUENTIAL = frozenset({
     FailureCause.PEER_FAILURE, FailureCause.FAILURE_DURING_RECOVERY, FailureCause.REPLACEMENT,
+    FailureCause.WORLD_SHRUNK,
 })
 
 #: Exception types that mean "the job failed elsewhere", whatever their message: the
@@ -86,6 +90,9 @@ def describe(cause: Mapping[str, Any]) -> str:
     where = f"rank {rank}" + (f" on node {node}" if node is not None else "")
     if kind == FailureCause.NODE_LOST:
         return f"node {node} lost (ranks {cause.get('ranks')})"
+    if kind == FailureCause.WORLD_SHRUNK:
+        return (f"node {node} lost (ranks {cause.get('ranks')}) with no spare: the job "
+                f"goes on as launch ranks {cause.get('world')}")
     if kind == FailureCause.WORKER_HUNG:
         return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
     if kind == FailureCause.WORKER_EXIT:

@@ -64,6 +64,20 @@ class RecoveryConfig:
                           "be reduced by another algorithm than the failure-free run's on "
                           "nodes that tune differently. Untested: needs several GPUs"},
     )
+    on_no_spare: str = field(
+        default="stop",
+        metadata={"help": "a lost node's ranks that no spare node takes over within "
+                          "spare_wait_s: 'stop' the job (exit 75: a scheduler may requeue "
+                          "it), or 'shrink' and train on at the smaller size with the "
+                          "global batch kept (data-parallel jobs; ADR 0035)",
+                  "choices": ["stop", "shrink"]},
+    )
+    spare_wait_s: float = field(
+        default=5.0,
+        metadata={"help": "with on_no_spare: shrink, how long a lost node's ranks wait for a "
+                          "spare node (or for their node to come back) before the job "
+                          "shrinks", "min": 0.0},
+    )
     store_outage_s: float = field(
         default=15.0,
         metadata={"help": "etcd job store: how long every member may be unreachable or "

@@ -143,6 +143,15 @@ class Controller:
             group._bind(gen)
         self._reap()
 
+    def forget_generation(self) -> None:
+        """The script's groups were destroyed to run it again in a new world
+        (:mod:`recovery.world_resize`): groups made from now on wait unbound, completing
+        their set-up collectives locally, until the runtime activates a generation, as
+        in a replacement."""
+        self.gen, self.failure = None, None
+        with self._lock:
+            self._made_in_gen = {}
+
     def fail(self, reason: str) -> None:
         """A failure was declared: fail pending collectives and abort the inner groups."""
         self.failure = reason

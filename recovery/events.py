@@ -32,6 +32,8 @@ class Event(StrEnum):
     NODE_RETURNED = "node_returned"
     NODE_TAKEOVER = "node_takeover"
     NODE_FENCED = "node_fenced"
+    WORLD_SHRUNK = "world_shrunk"  # no spare node: the job trains on without a lost node
+    WORLD_RESIZED = "world_resized"  # a worker left its world to run again in a new one
     NODE_ISOLATED = "node_isolated"  # this agent cannot reach the job store: fenced
     STORAGE_CHECK_FAILED = "storage_check_failed"  # a joining agent's probe, job running
     SPARE_START = "spare_start"

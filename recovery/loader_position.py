@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from recovery import hosted_loader
 from recovery.errors import RecoveryImpossible
 from replication.state import StateRegistrationError
 
@@ -120,6 +121,18 @@ class LoaderPosition:
         self.creation_rng: torch.Tensor | None = None
         self.generation = 0  # bumped by every restore: older iterators re-open
         self._resume: dict[str, Any] | None = None
+        self.hosted: tuple[tuple[int, ...], int] | None = None  # see host()
+
+    def host(self, ranks: tuple[int, ...], configured: int) -> None:
+        """Hand out, per step, the batches the configured world's ``ranks`` would get,
+        joined into one (the job shrank: :mod:`recovery.hosted_loader`)."""
+        why = None if not self.native else "it keeps a position of its own"
+        why = why or hosted_loader.refusal(self.loader)
+        if why is not None:
+            raise RecoveryImpossible(
+                f"the job shrank and this rank must take the data of ranks {list(ranks)}, "
+                f"but {why}; or set recovery.on_no_spare=stop")
+        self.hosted = (tuple(ranks), configured)
 
     # -- the training state ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -160,6 +173,9 @@ class LoaderPosition:
         """Whether the current pass has handed out its last batch (False when the loader
         has no length: an ``IterableDataset`` without ``__len__``)."""
         try:
+            if self.hosted is not None:
+                return self.yielded >= len(hosted_loader.rank_loader(
+                    self.loader, self.hosted[0][0], self.hosted[1]))
             return self.yielded >= len(self.loader)
         except TypeError:
             return False
@@ -176,6 +192,11 @@ class LoaderPosition:
         creation = resume["creation_rng"] if resume else None
 
         def create() -> Iterator[Any]:
+            if self.hosted is not None:
+                ranks, world = self.hosted
+                return hosted_loader.HostedIterator(
+                    [hosted_loader.rank_loader(self.loader, r, world) for r in ranks],
+                    skip, done)
             iterator = self.base.__iter__(self.loader)
             if done:
                 skip(self.loader, iterator, done)

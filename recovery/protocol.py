@@ -577,12 +577,6 @@ def any_done(store: dist.Store) -> bool:
     return auth.read(store, DONE_ANY_KEY) is not None
 
 
-def all_done(store: dist.Store, world_size: int) -> bool:
-    """Has every rank a validly sealed "done" record? (Two round trips at most.)"""
-    values = auth.read_all(store, [done_key(r) for r in range(world_size)])
-    return values is not None and all(v is not None for v in values)
-
-
 def done_ranks(store: dist.Store, world_size: int) -> set[int]:
     """The ranks with a validly sealed "done" record."""
     keys = [done_key(r) for r in range(world_size)]

@@ -21,11 +21,10 @@ import atexit
 import dataclasses
 import faulthandler
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,11 +35,14 @@ from recovery import (
     divergence,
     drain,
     elastic_controller,
+    fencing,
     loader_position,
     process_groups,
     protocol,
     recovery_timeline,
     user_errors,
+    world,
+    world_resize,
 )
 from recovery.auto_interval import AutoInterval
 from recovery.causes import FailureCause, classify
@@ -54,15 +56,14 @@ from recovery.faults import FaultInjector
 from recovery.recipe import CheckpointlessConfig, worker_config
 from recovery.rendezvous import FRESH_START, GenerationChanged, RecoveryPlan, agree
 from recovery.watchdog import Watchdog
-from replication import contract
 from replication.commit import UntrustedCommit, committed_step
 from replication.memory import MemoryBudgetError
 from replication.replicator import Replicator
 from replication.state import TrainingState
 from replication.transport import WaitAbandoned, wait_polled
 
-#: Seconds a failure's declaration and teardown may take before every thread's stack
-#: goes to stderr. They take milliseconds; a CI soak once saw a rank spend 120 s here.
+#: Seconds a failure's declaration and teardown may take (milliseconds, normally)
+#: before every thread's stack goes to stderr.
 TEARDOWN_STALL_S = 15.0
 
 
@@ -92,6 +93,9 @@ class Checkpointless:
         self.settings = settings or worker_config(self.env.config_json)
         self.backend = backend
         self.rank, self.world_size = self.env.rank, self.env.world_size
+        # The launch rank (as the agents name it) and world size: ADR 0035.
+        self.slot = world.slot_of(os.environ) if self.env.launched else self.rank
+        self.configured = int(os.environ.get(world.ENV_CONFIGURED_WORLD) or self.world_size)
         self.state = state if state is not None else TrainingState()
         entry = loader_position.track(loader) if loader is not None else None  # or refuse
         self.loop = EpochLoop(self, entry if entry is not loader else None)
@@ -111,6 +115,7 @@ class Checkpointless:
         # Store values that fail the job-key check are ignored and reported here.
         auth.set_reporter(lambda **f: self.log.emit(Event.AUTH_REJECTED, rank=self.rank, **f))
         self.store = self._connect_store()
+        self.world = world_resize.joined_world(self, entry)  # and the data it takes
         rec = self.settings.recovery
         fault_text = rec.fault or os.environ.get(FAULT_ENV, "")
         self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log,
@@ -164,7 +169,14 @@ class Checkpointless:
         """
         self._initial_snapshot = initial_snapshot
         if self.env.replacement or self.gen > 0:
-            self.restored_step = self._recover({"kind": FailureCause.REPLACEMENT}, newcomer=True)
+            # A process that ran its script again in a new world brings its snapshots.
+            carried = world_resize.take_carried()
+            self.replicator = carried  # type: ignore[assignment]  # held() until rebuilt
+            if carried is not None:
+                carried.engine.rebind(self.state)
+            fresh = carried is None
+            self.restored_step = self._recover({"kind": FailureCause.REPLACEMENT},
+                                               newcomer=fresh, declare=False)
         else:
             try:
                 self._setup_generation(0)
@@ -192,10 +204,8 @@ class Checkpointless:
     # -- public API --------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any], num_steps: int) -> None:
         """Call ``train_step(step)`` for steps ``start_step..num_steps``, recoverably. The
-        last step is snapshotted whatever the interval: the final state is committed,
-        and persisted with a durable tier (:meth:`DurableTier.finish`). A failure while
-        the last step commits rolls back like any other (it once escaped: every
-        survivor exited 1, and with them every copy of the committed state)."""
+        last step is always snapshotted, committed (a failure then rolls back like any
+        other) and persisted with a durable tier (:meth:`DurableTier.finish`)."""
         step = self.start_step
         while True:
             try:
@@ -394,7 +404,7 @@ class Checkpointless:
         self.replicator.wait()
         self._report_divergence()  # the last round sealed the last step
         self.durable.finish(self.replicator)  # the final step is always persisted
-        protocol.mark_trained(self.store, self.rank, self.step)
+        protocol.mark_trained(self.store, self.slot, self.step)  # the agents name slots
         self.log.emit(Event.WORKER_DONE, step=self.step, gen=self.gen)
         # The watchdog keeps beating until the process exits: the script may still have
         # work to do after training (saving, evaluation), and a silent rank looks hung.
@@ -416,8 +426,7 @@ class Checkpointless:
         try:
             replicator = self._make_replicator(gen, old)
         except MemoryBudgetError as exc:
-            # No generation can fix it (a replacement needs the same memory), so stop the
-            # job instead of failing over and over: a replacement would fail the same way.
+            # No generation can fix it: a replacement would need the same memory.
             raise RecoveryImpossible(str(exc)) from None
         self.replicator = replicator
         self.replicator.should_abort = lambda: self.watchdog.failure_pending
@@ -440,9 +449,8 @@ class Checkpointless:
     def _teardown_generation(self) -> None:
         process_groups.fail_training_groups(f"generation {self.gen} failed")
         if self.replicator is not None:
-            # Its sockets are shut down: a round blocked in a transfer fails at once. The
-            # round thread may still wait for a commit in the store (bounded by its
-            # timeout); it holds the channel until then.
+            # Its sockets are shut down; a round thread still waiting for a commit in the
+            # store (bounded by its timeout) holds the channel until then.
             process_groups.keep(self.replicator.abandon(), 5.0)
 
     def _cause_of(self, exc: Exception) -> dict[str, Any]:
@@ -458,17 +466,19 @@ class Checkpointless:
         aborted (see :class:`recovery.errors.CollectiveAborted`)."""
         return self.watchdog.failure_pending or CollectiveAborted.raised != self._aborted_mark
 
-    def _recover(self, cause: dict[str, Any], newcomer: bool = False) -> int:
-        """Leave the failed generation, join the next one, restore; returns the step."""
+    def _recover(self, cause: dict[str, Any], newcomer: bool = False,
+                 declare: bool = True) -> int:
+        """Leave the failed generation, join the next one, restore; returns the step.
+        ``newcomer``: it holds no state; ``declare=False``: it joins a generation that
+        exists (a replacement, or a script run again in a new world with its snapshots)."""
         t_detect, failed_gen = time.time(), self.gen
         rec = self.settings.recovery
         self.log.emit(Event.FAILURE_DETECTED, rank=self.rank, gen=self.gen, step=self.step,
                       cause=cause)
-        # Declaring and tearing down take milliseconds; if they ever take long, the
-        # stacks of every thread go to stderr (the agent's log) to say where it hangs.
+        # Milliseconds, normally; if not, every thread's stack goes to the agent's log.
         faulthandler.dump_traceback_later(TEARDOWN_STALL_S, exit=False)
         try:
-            if not newcomer:
+            if declare:
                 protocol.declare_failure(self.store, self.gen, {**cause, "ts": t_detect})
             self._teardown_generation()
         finally:
@@ -481,6 +491,9 @@ class Checkpointless:
                 self._fatal(over)
             gen = protocol.current_generation(self.store)
             self.watchdog.generation = gen
+            new_world = world.current(self.store, gen, self.configured)
+            if new_world.slots != self.world.slots:  # the script runs again in it (ADR 0035)
+                world_resize.leave(self, new_world, gen)
             try:
                 self.faults.at("recovery", self.step)
                 # One rank plans, every rank adopts its plan (or its impossible reason).
@@ -497,7 +510,7 @@ class Checkpointless:
             except RecoveryImpossible as exc:
                 self._fatal(str(exc))
             except Fenced as exc:
-                self._leave_fenced(str(exc))
+                fencing.leave(self.log, self.rank, self.gen, str(exc))
             except GenerationChanged:
                 self._teardown_generation()
             except MemoryBudgetError as exc:  # the state grew past the budget: no retry helps
@@ -514,12 +527,12 @@ class Checkpointless:
         self._replay_warned = False
         self._dp_checked.clear()
         t_reset = time.perf_counter()
-        ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(
-            newcomer, ddps_rebuilt=self._ddp_layouts.take_restored())
+        ddp_reset, fsdp_reset = process_groups.reset_parallel_modules(  # new objects: fresh
+            newcomer or not declare, ddps_rebuilt=self._ddp_layouts.take_restored())
         self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)
         t_done = time.time()
         causes = [protocol.read_json(self.store, protocol.cause_key(g)) or {}  # the episode's
-                  for g in range(gen if newcomer else max(failed_gen + 1, gen - 7), gen + 1)]
+                  for g in range(gen if not declare else max(failed_gen + 1, gen - 7), gen + 1)]
         first = causes[-1]
         timings = recovery_timeline.phases(causes, t_detect, t_abort, t_rdzv, t_pg, t_done)
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
@@ -554,20 +567,7 @@ class Checkpointless:
                      lambda: self.committed_step, self._fenced, blocking=True)
 
     def _fenced(self) -> str | None:
-        """Why this process no longer owns its rank, or None (see :class:`Fenced`)."""
-        group = self.rank // max(1, self.env.local_world_size)
-        owner = protocol.group_owner(self.store, group)
-        if owner is None or owner == self.env.node:
-            return None
-        return (f"node {self.env.node} was declared lost and node {owner} took its ranks "
-                f"over; rank {self.rank} (pid {os.getpid()}) leaves the job")
-
-    def _leave_fenced(self, reason: str) -> NoReturn:
-        """Exit at once with EXIT_FENCED: the job goes on with this rank's replacement, and
-        tearing down this process's groups could only wait on peers that left them."""
-        self.log.emit(Event.FENCED, rank=self.rank, gen=self.gen, reason=reason)
-        print(f"checkpointless: {reason}", file=sys.stderr, flush=True)
-        os._exit(contract.EXIT_FENCED)
+        return fencing.reason(self.store, self.slot, self.env.local_world_size, self.env.node)
 
     def _start_afresh(self, plan: RecoveryPlan) -> tuple[RecoveryPlan, int]:
         """Every process is new and nothing was committed: resume from storage or

@@ -148,6 +148,18 @@ class SnapshotEngine:
         if overlap:
             state.add_restore_guard(_weak_fence(self))
 
+    def rebind(self, state: TrainingState) -> None:
+        """Serve ``state`` from now on: a process that runs its script again in a new
+        world registers new objects of the same layout, and restores its held snapshot
+        into them. Any copy still reading the old objects is finished first; replay
+        records are dropped (steps after the rollback run over other data now)."""
+        self.fence()
+        self.state = state
+        self._hooked = weakref.WeakKeyDictionary()
+        self.replay = ReplayCheck()
+        if self.overlap:
+            state.add_restore_guard(_weak_fence(self))
+
     # -- capture ---------------------------------------------------------------------
     def capture(self, step: int) -> SnapshotSlot:
         """Copy the live state into a free slot. This is the training loop's stall.
