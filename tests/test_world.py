@@ -89,7 +89,7 @@ def test_a_hosting_loader_hands_out_the_configured_ranks_batches_joined(skip):
 
 def test_a_loader_that_cannot_split_by_rank_is_refused_in_one_line():
     plain = DataLoader(_Indexed(), batch_size=2, sampler=RandomSampler(_Indexed()))
-    with pytest.raises(RecoveryImpossible, match="RandomSampler.*does not split the data"):
+    with pytest.raises(RecoveryImpossible, match=r"RandomSampler.*does not split the data"):
         loader_position.track(plain).host((0, 2), 4)
     assert hosted_loader.refusal(object()) is not None
 
