@@ -148,20 +148,12 @@ class NodeLossHandling:
         every rank of the generation that applies it reads the same world.
         """
         configured = self.args.world_size
-        while True:
-            gen = protocol.current_generation(self.store)
-            owners = membership.owners(self.store, self.args.nnodes)
-            slots = tuple(r for g, owner in sorted(owners.items()) if owner != world.RETIRED
-                          for r in self._ranks(g))
-            if not slots:
-                protocol.set_fatal(self.store, f"node {lost.lost_node} lost and no node is "
-                                   "left to train on")
-                return
-            new = world.publish(self.store, world.World(configured, slots, after_gen=gen))
-            again = membership.owners(self.store, self.args.nnodes)
-            if again == owners:
-                break
-        ranks = self._ranks(group)
+        new = self._publish_world()
+        if new is None:
+            protocol.set_fatal(self.store, f"node {lost.lost_node} lost and no node is left "
+                               "to train on")
+            return
+        slots, ranks = new.slots, self._ranks(group)
         self._emit(Event.WORLD_SHRUNK, lost_node=lost.lost_node, group=group, ranks=ranks,
                    world=list(slots), configured=configured, version=new.version,
                    waited_s=round(time.monotonic() - lost.detected_at, 3))
@@ -172,6 +164,51 @@ class NodeLossHandling:
         cause = {**self._node_lost_cause(lost.lost_node, group),
                  "kind": FailureCause.WORLD_SHRUNK, "world": list(slots)}
         self._declare(protocol.current_generation(self.store), cause)
+
+    def _publish_world(self) -> world.World | None:
+        """Publish the world the owner records make (the groups not retired), again if
+        they changed meanwhile (another agent retiring or claiming a group at once);
+        None when every group is retired."""
+        while True:
+            gen = protocol.current_generation(self.store)
+            owners = membership.owners(self.store, self.args.nnodes)
+            slots = tuple(r for g, owner in sorted(owners.items()) if owner != world.RETIRED
+                          for r in self._ranks(g))
+            if not slots:
+                return None
+            new = world.publish(self.store, world.World(self.args.world_size, slots,
+                                                        after_gen=gen))
+            if membership.owners(self.store, self.args.nnodes) == owners:
+                return new
+
+    def _claim_retired(self) -> None:
+        """An idle agent (a spare node, a node added to the job) takes a retired group
+        back, and the job grows to include it at its next generation (ADR 0035)."""
+        if self.group is not None or self._fenced_out or world.versions(self.store) == 0:
+            return
+        owners = membership.owners(self.store, self.args.nnodes)
+        for g in sorted(g for g, owner in owners.items() if owner == world.RETIRED):
+            if membership.take_over(self.store, g, world.RETIRED, self.node):
+                self._grow(g)
+                return
+
+    def _grow(self, group: int) -> None:
+        self.group = group
+        ranks = self._ranks(group)
+        new = self._publish_world()
+        assert new is not None  # this agent's group is not retired
+        self._emit(Event.WORLD_GROWN, group=group, ranks=ranks, world=list(new.slots),
+                   configured=self.args.world_size, version=new.version)
+        self._log(f"taking retired ranks {ranks} back: the job grows to {new.describe()}"
+                  if new.resized else f"taking retired ranks {ranks} back: the job is "
+                  f"at its full size again ({new.size} ranks)")
+        cause = {"kind": FailureCause.WORLD_GROWN, "node": self.node, "group": group,
+                 "ranks": ranks, "world": list(new.slots)}
+        if not self._declare(protocol.current_generation(self.store), cause):
+            return
+        restart = protocol.recoveries(self.store)
+        for local in range(self.args.nproc):
+            self._start_rank(group, local, replacement=True, restart_count=restart)
 
     def _returned(self, node: int, gen: int) -> bool:
         """The lost ``node`` heartbeats again (checked once per node: its other groups

@@ -36,6 +36,8 @@ class FailureCause(StrEnum):
     #: No spare took a lost node's ranks: the job goes on without them (ADR 0035). The
     #: node loss behind it was declared, and counted, already.
     WORLD_SHRUNK = "world_shrunk"
+    #: A node took retired ranks back: the job grows (ADR 0035). Not a failure.
+    WORLD_GROWN = "world_grown"
     #: A bug in the user's script stopped the job (``recovery.user_errors``). Only the
     #: job's fatal record carries it: such a failure is never declared nor retried.
     USER_ERROR = "user_error"
@@ -46,7 +48,7 @@ class FailureCause(StrEnum):
 #: are not failures of their own; the agent declares the process or node behind them.
 CONSEQUENTIAL = frozenset({
     FailureCause.PEER_FAILURE, FailureCause.FAILURE_DURING_RECOVERY, FailureCause.REPLACEMENT,
-    FailureCause.WORLD_SHRUNK,
+    FailureCause.WORLD_SHRUNK, FailureCause.WORLD_GROWN,
 })
 
 #: Exception types that mean "the job failed elsewhere", whatever their message: the
@@ -93,6 +95,9 @@ def describe(cause: Mapping[str, Any]) -> str:
     if kind == FailureCause.WORLD_SHRUNK:
         return (f"node {node} lost (ranks {cause.get('ranks')}) with no spare: the job "
                 f"goes on as launch ranks {cause.get('world')}")
+    if kind == FailureCause.WORLD_GROWN:
+        return (f"node {node} took retired ranks {cause.get('ranks')} back: the job grows to "
+                f"launch ranks {cause.get('world')}")
     if kind == FailureCause.WORKER_HUNG:
         return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
     if kind == FailureCause.WORKER_EXIT:

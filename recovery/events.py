@@ -33,6 +33,7 @@ class Event(StrEnum):
     NODE_TAKEOVER = "node_takeover"
     NODE_FENCED = "node_fenced"
     WORLD_SHRUNK = "world_shrunk"  # no spare node: the job trains on without a lost node
+    WORLD_GROWN = "world_grown"  # a node took retired ranks back: the job grows
     WORLD_RESIZED = "world_resized"  # a worker left its world to run again in a new one
     NODE_ISOLATED = "node_isolated"  # this agent cannot reach the job store: fenced
     STORAGE_CHECK_FAILED = "storage_check_failed"  # a joining agent's probe, job running

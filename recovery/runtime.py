@@ -444,6 +444,7 @@ class Checkpointless:
             previous=old,
             fault_hook=self.faults.at if self.faults else None,
             durable_staging=self.durable.staging, durable_zero_copy=self.durable.zero_copy,
+            twins=getattr(old, "twins", ()),  # after a shrink (recovery.world_resize)
         )
 
     def _teardown_generation(self) -> None:

@@ -54,10 +54,14 @@ class Carried:
     engine: Any
     store: Any
     replicas: Any = None
+    #: Ranks of the new world whose data this rank took in the old one: data-parallel
+    #: twins, whose state is this rank's own (``Replicator(twins=...)`` serves it).
+    twins: tuple[int, ...] = ()
     moved_from: dict[str, int] = field(default_factory=dict)
 
     def held(self) -> tuple[list[int], dict[int, list[int]]]:
-        return self.engine.held_steps(), {}
+        own = self.engine.held_steps()
+        return own, {twin: own for twin in self.twins}
 
     @property
     def known_committed(self) -> int:
@@ -88,7 +92,10 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
     if runtime.durable.writer is not None:
         runtime.durable.writer.close()
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
-        _carried = Carried(replicator.engine, runtime.store,
+        refuse_unless_data_parallel(runtime)
+        hosted = runtime.world.hosted(runtime.rank) if runtime.world.resized else ()
+        twins = tuple(r for v in hosted[1:] if (r := new.rank_of(v)) is not None)
+        _carried = Carried(replicator.engine, runtime.store, twins=twins,
                            moved_from={"rank": runtime.rank, "world": runtime.world_size})
     raise WorldResized(new)
 
@@ -123,6 +130,22 @@ def host_data(entry: Any, ranks: tuple[int, ...], configured: int) -> None:
             "DataLoader with a DistributedSampler to Checkpointless(loader=...), or set "
             "recovery.on_no_spare=stop")
     entry.host(ranks, configured)
+
+
+def refuse_unless_data_parallel(runtime: Any) -> None:
+    """Stop the job with one line unless every module of the state is a data-parallel
+    replica (a DDP, or a model whose gradients ``all_reduce_gradients`` averaged): only
+    then is a rank's own state right at any world size, and a retired rank's the same
+    as its host's. Sharded states (FSDP2) would need resharding, which is not built."""
+    import torch
+
+    sharded = [name for name, obj in runtime.state
+               if isinstance(obj, torch.nn.Module) and name not in runtime._dp_entries]
+    if sharded:
+        runtime._fatal(
+            f"the job's world changed size, but state {', '.join(map(repr, sharded))} is "
+            "not a data-parallel replica (DDP, or a model passed to all_reduce_gradients), "
+            "and resharding it in memory is not built: set recovery.on_no_spare=stop")
 
 
 def take_carried() -> Carried | None:

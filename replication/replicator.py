@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -153,6 +153,7 @@ class Replicator:
         fault_hook: Callable[[str, int], None] | None = None,
         durable_staging: bool = False,
         durable_zero_copy: bool = False,
+        twins: Sequence[int] = (),
     ) -> None:
         """``previous``: the previous generation's replicator, whose snapshots and
         replicas this one carries over (its side channel is not reused);
@@ -161,7 +162,9 @@ class Replicator:
         keeps a staging copy of one snapshot, counted in the budget.
         ``durable_zero_copy``: a durable writer persists straight from the snapshot
         slots, so a new engine allocates three of them in shared memory (one may be held
-        by the writer while the other two alternate), and no staging copy is counted."""
+        by the writer while the other two alternate), and no staging copy is counted.
+        ``twins``: ranks whose state is this rank's own (data-parallel ranks whose data
+        it took while the job was smaller): it serves its own snapshots as theirs."""
         self.config = config or ReplicationConfig()
         if self.config.device != "cpu":  # the recipe validator refuses it with the key
             raise ValueError(f"replication.device={self.config.device!r}: snapshot buffers "
@@ -186,6 +189,7 @@ class Replicator:
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)
+        self.twins = frozenset(twins)
         self._fault_hook = fault_hook
         self._durable_staging = durable_staging and not durable_zero_copy
         self.should_abort: Callable[[], bool] | None = None
@@ -475,7 +479,8 @@ class Replicator:
     def held(self) -> tuple[list[int], dict[int, list[int]]]:
         """The steps this rank holds: its own snapshots, and replicas per source rank
         (what its join record tells the recovery plan)."""
-        return self.engine.held_steps(), self.replicas.held_steps()
+        own, held = self.engine.held_steps(), self.replicas.held_steps()
+        return own, {**held, **{twin: own for twin in self.twins}}
 
     def recover(self, target_step: int, providers: dict[int, int]) -> HandoverResult:
         """Take part in a recovery's handover to ``target_step`` (see
@@ -521,6 +526,9 @@ class Replicator:
         its segments lies (its slot, or this rank's own snapshot for shared segments),
         for sending without a copy. Not verified here: the receiver checks every
         segment as it lands. The slots stay put while the recovery runs (no round)."""
+        if src in self.twins:  # its state is this rank's own
+            mine = self.engine.slot_for(step)
+            return mine.meta(), lambda seg: mine.segment_bytes(seg.name)
         rslot = self.replicas.get(src, step)
         assert rslot.meta is not None and rslot.buffer is not None
         own = self.engine.slot_for(step) if rslot.shared else None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.launcher_scripts.harness import events, wait_for
 from tests.recovery_harness import assert_succeeded, run_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -27,12 +28,12 @@ SAMPLES, BATCH, EPOCHS = 384, 8, 2
 STEPS_PER_EPOCH = SAMPLES // (4 * BATCH)
 
 
-def _run(tmp: Path, *overrides: str, nnodes: int = 2):
+def _run(tmp: Path, *overrides: str, epochs: int = EPOCHS, sleep: float = 0.0, **kw):
     out = tmp / "out"
-    job = run_job(tmp / "run", nnodes=nnodes, timeout_s=200, script=SCRIPT,
-                  script_args=("--out", str(out), "--epochs", str(EPOCHS),
+    job = run_job(tmp / "run", nnodes=2, timeout_s=200, script=SCRIPT,
+                  script_args=("--out", str(out), "--epochs", str(epochs), "--sleep", str(sleep),
                                "--batch", str(BATCH), "--samples", str(SAMPLES)),
-                  overrides=list(overrides))
+                  overrides=list(overrides), **kw)
     return job, out
 
 
@@ -56,12 +57,44 @@ def _finals(out: Path) -> dict[int, dict]:
             for p in out.glob("final_slot*.json")}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    job, out = _run(tmp_path_factory.mktemp("reference"))
+def _reference(tmp: Path, epochs: int) -> Path:
+    job, out = _run(tmp, epochs=epochs)
     assert_succeeded(job)
     assert not job.events("recovery"), "the reference run recovered from something"
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("reference"), EPOCHS)
+
+
+def _assert_same_samples(ref: dict[int, list[dict]], got: dict[int, list[dict]],
+                         epochs: int) -> dict[int, int]:
+    """Each step's global sample set equals the failure-free run's, nothing repeats in a
+    step, every sample is seen once per epoch; returns step -> world size it ran at."""
+    total = epochs * STEPS_PER_EPOCH
+    assert sorted(ref) == sorted(got) == list(range(1, total + 1)), (sorted(ref), sorted(got))
+    sizes = {}
+    for step in range(1, total + 1):
+        want = sorted(i for r in ref[step] for i in r["index"])
+        have = [i for r in got[step] for i in r["index"]]
+        assert sorted(have) == want, f"step {step}: {sorted(have)} != {want}"
+        assert len(have) == len(set(have)), f"step {step} repeats a sample: {have}"
+        worlds = {r["world"] for r in got[step]}
+        assert len(worlds) == 1, f"step {step} ran at several world sizes: {got[step]}"
+        sizes[step] = worlds.pop()
+        assert len(got[step]) == sizes[step], got[step]
+        assert all(len(r["index"]) == 4 // sizes[step] * BATCH for r in got[step]), got[step]
+    for epoch in range(epochs):
+        seen = [i for s, recs in got.items() if (s - 1) // STEPS_PER_EPOCH == epoch
+                for r in recs for i in r["index"]]
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: not each sample once"
+    return sizes
+
+
+def _max_rel_dev(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("interval,fault_step", [("auto", 5), ("2", 17)],
@@ -85,32 +118,42 @@ def test_a_lost_node_without_spare_shrinks_the_job(tmp_path, reference, interval
 
     targets = {e["target_step"] for e in job.events("recovery")}
     assert len(targets) == 1 and targets <= ({0} if interval == "auto" else {14, 16}), targets
-    ref, got = _steps(reference), _steps(out)
-    total = EPOCHS * STEPS_PER_EPOCH
-    assert sorted(ref) == sorted(got) == list(range(1, total + 1)), (sorted(ref), sorted(got))
-    shrunk_steps = 0
-    for step in range(1, total + 1):
-        want = sorted(i for r in ref[step] for i in r["index"])
-        have = [i for r in got[step] for i in r["index"]]
-        assert sorted(have) == want, f"step {step}: {sorted(have)} != {want}"
-        assert len(have) == len(set(have)), f"step {step} repeats a sample: {have}"
-        worlds = {r["world"] for r in got[step]}
-        assert len(worlds) == 1, f"step {step} ran at several world sizes: {got[step]}"
-        if worlds == {2}:
-            shrunk_steps += 1
-            assert len(got[step]) == 2 and all(len(r["index"]) == 2 * BATCH
-                                               for r in got[step]), got[step]
+    sizes = _assert_same_samples(_steps(reference), _steps(out), EPOCHS)
     target = targets.pop()
-    assert shrunk_steps == total - target, f"{shrunk_steps} steps ran at the smaller size"
-    for epoch in range(EPOCHS):
-        seen = [i for s, recs in got.items() if (s - 1) // STEPS_PER_EPOCH == epoch
-                for r in recs for i in r["index"]]
-        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: not each sample once"
+    assert [s for s, n in sizes.items() if n == 2] == list(range(target + 1, len(sizes) + 1))
 
     finals, ref_finals = _finals(out), _finals(reference)
     assert sorted(finals) == [0, 1], sorted(finals)
     assert finals[0]["weights"] == finals[1]["weights"], "the data-parallel ranks differ"
-    a, b = finals[0]["weights"], ref_finals[0]["weights"]
-    dev = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(a, b, strict=True))
+    dev = _max_rel_dev(finals[0]["weights"], ref_finals[0]["weights"])
     print(f"final_max_rel_dev {dev:.3e}")
     assert dev < 1e-4, f"final weights deviate by {dev:.3e} from the failure-free run"
+
+
+def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, tmp_path_factory):
+    """The same loss, then a new node joins: the job grows back to 4 ranks at its next
+    generation, the new node's ranks receiving their state from the ranks that took
+    their data (their data-parallel twins), and the original split of the data resumes."""
+    epochs = 4
+
+    def add_a_node(run_dir: Path, start_spare_node) -> None:
+        wait_for(lambda: events(run_dir, "world_shrunk"), 60, "the job to shrink")
+        start_spare_node()
+
+    job, out = _run(tmp_path, "recovery.on_no_spare=shrink", "recovery.spare_wait_s=0.5",
+                    "recovery.fault=2:5:backward:node", "replication.every_n_steps=2", *FAST,
+                    epochs=epochs, sleep=0.25, late_spare_nodes=1, during=add_a_node)
+    assert_succeeded(job, except_nodes=(1,))
+    grown = job.events("world_grown")
+    assert [(e["node"], e["ranks"], e["world"]) for e in grown] == [(2, [2, 3], [0, 1, 2, 3])]
+    sizes = _assert_same_samples(_steps(_reference(tmp_path_factory.mktemp("ref4"), epochs)),
+                                 _steps(out), epochs)
+    runs = [n for i, n in enumerate(sizes.values()) if i == 0 or n != list(sizes.values())[i - 1]]
+    assert runs == [4, 2, 4], f"world sizes step by step: {sizes}"
+    newest = max(e["gen"] for e in job.events("recovery"))
+    providers = {json.dumps(e["providers"], sort_keys=True)
+                 for e in job.events("recovery") if e["gen"] == newest}
+    assert providers == {json.dumps({"2": 0, "3": 1}, sort_keys=True)}, providers
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1, 2, 3], sorted(finals)
+    assert all(f["weights"] == finals[0]["weights"] for f in finals.values())

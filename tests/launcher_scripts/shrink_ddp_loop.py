@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samples", type=int, default=384)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slower steps)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,6 +75,7 @@ def main() -> None:
                                       "world": world, "slot": cl.slot, "epoch": epoch,
                                       "index": index.tolist()}) + "\n")
                 log.flush()
+                time.sleep(args.sleep)
     log.close()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     with open(os.path.join(args.out, f"final_slot{cl.slot}.json"), "w") as f:
