@@ -127,16 +127,28 @@ class NodeLossHandling:
                   and membership.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
-            elif (self.rcfg.on_no_spare == "shrink" and self.group is not None
+            elif (self.group is not None
                   and time.monotonic() - lost.detected_at > self.rcfg.spare_wait_s
+                  and self._why_not_shrink() is None
                   and membership.take_over(self.store, g, lost.lost_node, world.RETIRED)):
                 del self.lost_groups[g]
                 self._shrink(g, lost)
             elif (time.monotonic() - lost.detected_at
                   > TAKEOVER_PATIENCE * self.rcfg.heartbeat_timeout_s):
                 del self.lost_groups[g]
+                why = self._why_not_shrink()
                 protocol.set_fatal(self.store, f"node {lost.lost_node} lost (ranks "
-                                   f"{self._ranks(g)}) and no spare node took them over")
+                                   f"{self._ranks(g)}) and no spare node took them over" + (
+                                       f"; the job cannot shrink instead: {why}"
+                                       if self.rcfg.on_no_spare == "shrink" else ""))
+
+    def _why_not_shrink(self) -> str | None:
+        """Why the job may not shrink (None: it may): ``recovery.on_no_spare``, or what
+        rank 0 found about its state and loader (:mod:`recovery.world_resize`)."""
+        if self.rcfg.on_no_spare != "shrink":
+            return "recovery.on_no_spare is stop"
+        known, why = world.resizability(self.store)
+        return why if known else "its ranks have not said yet whether they can"
 
     def _shrink(self, group: int, lost: LostGroup) -> None:
         """Retire the lost ``group`` (this agent won its owner record) and publish the

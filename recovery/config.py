@@ -65,11 +65,13 @@ class RecoveryConfig:
                           "nodes that tune differently. Untested: needs several GPUs"},
     )
     on_no_spare: str = field(
-        default="stop",
+        default="shrink",
         metadata={"help": "a lost node's ranks that no spare node takes over within "
-                          "spare_wait_s: 'stop' the job (exit 75: a scheduler may requeue "
-                          "it), or 'shrink' and train on at the smaller size with the "
-                          "global batch kept (data-parallel jobs; ADR 0035)",
+                          "spare_wait_s: 'shrink' and train on without them, the global "
+                          "batch and sample order kept, growing back when a node joins "
+                          "(data-parallel jobs with a DataLoader over a DistributedSampler; "
+                          "others stop), or 'stop' the job (exit 75: a scheduler may "
+                          "requeue it). ADR 0035",
                   "choices": ["stop", "shrink"]},
     )
     spare_wait_s: float = field(

@@ -126,13 +126,18 @@ class LoaderPosition:
     def host(self, ranks: tuple[int, ...], configured: int) -> None:
         """Hand out, per step, the batches the configured world's ``ranks`` would get,
         joined into one (the job shrank: :mod:`recovery.hosted_loader`)."""
-        why = None if not self.native else "it keeps a position of its own"
-        why = why or hosted_loader.refusal(self.loader)
+        why = self.split_refusal()
         if why is not None:
-            raise RecoveryImpossible(
-                f"the job shrank and this rank must take the data of ranks {list(ranks)}, "
-                f"but {why}; or set recovery.on_no_spare=stop")
+            raise RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, "
+                                     f"but {why}")
         self.hosted = (tuple(ranks), configured)
+
+    def split_refusal(self) -> str | None:
+        """Why this loader cannot hand out other ranks' batches, or None if it can."""
+        if self.native:
+            return (f"its loader ({type(self.loader).__qualname__}) keeps a position of its "
+                    "own, which cannot be split by rank")
+        return hosted_loader.refusal(self.loader)
 
     # -- the training state ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -233,18 +233,21 @@ class Checkpointless:
         """Average gradients across ranks (deterministic order, failure-aware wait).
 
         Calling it declares ``model`` data-parallel, so the first call of each
-        generation also checks that every rank holds the same weights
-        (:meth:`_check_replicas_agree`)."""
+        generation also checks that every rank holds the same weights."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads or self.world_size == 1:
             return
-        if id(model) not in self._dp_checked:
+        if id(model) not in self._dp_checked:  # the weights agree: say so loudly if not
             self._dp_checked.add(id(model))
-            self._check_replicas_agree(model, grads[0].device)
+            divergence.check_replicas_agree(model, grads[0].device, rank=self.rank,
+                                            world_size=self.world_size, step=self.step,
+                                            log=self.log, wait=self.wait)
             self._declare_data_parallel(model)
         flat = torch._utils._flatten_dense_tensors(grads)
-        self.wait(dist.all_reduce(flat, async_op=True))
-        flat.div_(self.world_size)
+        weight = world_resize.gradient_weight(self)  # after a shrink to an uneven split
+        self.wait(dist.all_reduce(flat if weight is None else flat.mul_(weight), async_op=True))
+        if weight is None:
+            flat.div_(self.world_size)
         for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(f)
 
@@ -257,13 +260,7 @@ class Checkpointless:
                 self._dp_entries.add(name)
         if self.replicator is not None:
             self.replicator.drift.watch(self._dp_entries)
-
-    def _check_replicas_agree(self, model: torch.nn.Module, device: torch.device) -> None:
-        """Say so, loudly and once, when data-parallel ranks hold different weights
-        (:func:`recovery.divergence.check_replicas_agree`)."""
-        divergence.check_replicas_agree(model, device, rank=self.rank,
-                                        world_size=self.world_size, step=self.step,
-                                        log=self.log, wait=self.wait)
+        world_resize.publish_resizability(self)  # whether the agents may shrink the job
 
     def wait(self, work: Any) -> None:
         """Wait for a collective, bailing out as soon as a failure is declared anywhere."""
@@ -545,6 +542,7 @@ class Checkpointless:
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
                 **elastic_controller.controller().counters(),
                 "recovered_at": t_done}
+        info["weighted_ddps"] = world_resize.weight_gradients(self)  # after a shrink only
         self.log.emit(Event.RECOVERY, rank=self.rank, **info)
         self._resumed_from = info
         self.step = plan.target_step

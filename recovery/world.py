@@ -37,6 +37,7 @@ ENV_CONFIGURED_WORLD = f"{INTERNAL_PREFIX}CONFIGURED_WORLD"  # the launch WORLD_
 RETIRED = -1
 
 _VERSIONS = f"{protocol.PREFIX}/world/versions"
+_RESIZABLE = f"{protocol.PREFIX}/world/resizable"
 
 
 def _key(version: int) -> str:
@@ -116,6 +117,24 @@ def publish(store: dist.Store, world: World) -> World:
     version = int(store.add(_VERSIONS, 1))
     auth.put(store, _key(version), world.payload())
     return World(world.configured, world.slots, world.after_gen, version)
+
+
+def record_resizability(store: dist.Store, why_not: str | None) -> None:
+    """Rank 0 says whether the job can go on at another size (None) or why not."""
+    auth.put(store, _RESIZABLE, json.dumps({"why_not": why_not}))
+
+
+def resizability(store: dist.Store) -> tuple[bool, str | None]:
+    """``(known, why_not)``: whether rank 0 said yet, and why the job cannot resize
+    (None: it can)."""
+    payload = auth.read(store, _RESIZABLE)
+    if payload is None:
+        return False, None
+    try:
+        why = json.loads(payload)["why_not"]
+    except (ValueError, KeyError, TypeError):
+        return False, None
+    return True, None if why is None else str(why)
 
 
 def slot_of(environ: dict[str, str] | os._Environ[str]) -> int:

@@ -92,7 +92,7 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
     if runtime.durable.writer is not None:
         runtime.durable.writer.close()
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
-        refuse_unless_data_parallel(runtime)
+        refuse_unless_resizable(runtime, new)
         hosted = runtime.world.hosted(runtime.rank) if runtime.world.resized else ()
         twins = tuple(r for v in hosted[1:] if (r := new.rank_of(v)) is not None)
         _carried = Carried(replicator.engine, runtime.store, twins=twins,
@@ -111,9 +111,10 @@ def joined_world(runtime: Any, loader_entry: Any) -> world.World:
         try:
             host_data(loader_entry, current.hosted(runtime.rank), runtime.configured)
         except RecoveryImpossible as exc:
-            runtime.log.emit(Event.FATAL, reason=str(exc))
-            protocol.set_fatal(runtime.store, str(exc), rank=runtime.rank, gen=gen)
-            raise
+            reason = cannot_resize(current, str(exc))
+            runtime.log.emit(Event.FATAL, reason=reason)
+            protocol.set_fatal(runtime.store, reason, rank=runtime.rank, gen=gen)
+            raise RecoveryImpossible(reason) from None
     return current
 
 
@@ -123,29 +124,106 @@ def host_data(entry: Any, ranks: tuple[int, ...], configured: int) -> None:
     from recovery.loader_position import LoaderPosition
 
     if not isinstance(entry, LoaderPosition):
-        raise RecoveryImpossible(
-            f"the job shrank, and this rank must take the data of ranks {list(ranks)}, but "
-            f"its loader ({type(entry).__qualname__ if entry is not None else 'none given'}) "
-            "cannot be split by rank: pass a "
-            "DataLoader with a DistributedSampler to Checkpointless(loader=...), or set "
-            "recovery.on_no_spare=stop")
+        raise RecoveryImpossible(f"its loader ({type(entry).__qualname__}) cannot be split by "
+                                 "rank: pass a DataLoader with a DistributedSampler to "
+                                 "Checkpointless(loader=...)")
     entry.host(ranks, configured)
 
 
-def refuse_unless_data_parallel(runtime: Any) -> None:
-    """Stop the job with one line unless every module of the state is a data-parallel
-    replica (a DDP, or a model whose gradients ``all_reduce_gradients`` averaged): only
-    then is a rank's own state right at any world size, and a retired rank's the same
-    as its host's. Sharded states (FSDP2) would need resharding, which is not built."""
+def why_not_resizable(runtime: Any) -> str | None:
+    """Why the job cannot go on at another size, or None if it can: every module of its
+    state must be a data-parallel replica (a DDP, or a model whose gradients
+    ``all_reduce_gradients`` averaged), so a rank's own state is right at any size and a
+    retired rank's is its host's (sharded states would need resharding, not built); and
+    its loader must split by rank (:mod:`recovery.hosted_loader`)."""
     import torch
+
+    from recovery.loader_position import LoaderPosition
 
     sharded = [name for name, obj in runtime.state
                if isinstance(obj, torch.nn.Module) and name not in runtime._dp_entries]
     if sharded:
-        runtime._fatal(
-            f"the job's world changed size, but state {', '.join(map(repr, sharded))} is "
-            "not a data-parallel replica (DDP, or a model passed to all_reduce_gradients), "
-            "and resharding it in memory is not built: set recovery.on_no_spare=stop")
+        return (f"state {', '.join(map(repr, sharded))} is not a data-parallel replica (DDP, "
+                "or a model passed to all_reduce_gradients), and resharding it in memory is "
+                "not built")
+    entry = dict(iter(runtime.state)).get("loader")
+    if isinstance(entry, LoaderPosition):
+        return entry.split_refusal()
+    return (f"its loader ({type(entry).__qualname__ if entry is not None else 'none'}) "
+            "cannot be split by rank: pass a DataLoader with a DistributedSampler to "
+            "Checkpointless(loader=...)")
+
+
+def publish_resizability(runtime: Any) -> None:
+    """Rank 0 records whether the job can change size (:func:`why_not_resizable`), when
+    that changes: the agents shrink a job only if it can, and stop it otherwise."""
+    if runtime.rank != 0 or not runtime.env.launched:
+        return
+    why = why_not_resizable(runtime)
+    if getattr(runtime, "_resizability_said", ()) != (why,):
+        world.record_resizability(runtime.store, why)
+        runtime._resizability_said = (why,)
+
+
+def refuse_unless_resizable(runtime: Any, new: world.World) -> None:
+    """Stop the job with one line if it cannot go on at ``new``'s size."""
+    why = why_not_resizable(runtime) if new.resized else None
+    if why is not None:
+        runtime._fatal(cannot_resize(new, why))
+
+
+def cannot_resize(new: world.World, why: str) -> str:
+    """The one line of a job that cannot go on at another size."""
+    if new.resized:
+        return (f"launch ranks {list(new.retired)} were lost and no spare node took them "
+                f"over, and the job cannot go on without them: {why} (recovery.on_no_spare="
+                "stop stops here without trying)")
+    return f"the job cannot grow back to its full size: {why}"
+
+
+def gradient_weight(runtime: Any) -> float | None:
+    """What this rank's gradient counts for in the sum over ranks, when that is not the
+    usual ``1 / world size``: in a shrunk world whose ranks take different numbers of
+    configured ranks' batches, ``hosted / configured`` (so the average stays the mean
+    over the global batch: a rank with two ranks' batches counts twice). None otherwise."""
+    w = runtime.world
+    if not w.resized or len({len(w.hosted(r)) for r in range(w.size)}) == 1:
+        return None
+    return len(w.hosted(runtime.rank)) / w.configured
+
+
+def weight_gradients(runtime: Any) -> int:
+    """Give every DDP of this process a comm hook that weighs this rank's gradients by
+    :func:`gradient_weight` before their sum (DDP's own averages by the world size);
+    returns how many. Called after each restore (a restore rebuilds the reducers). A DDP
+    with a hook of the user's keeps it, unweighted: its gradients then deviate by the
+    uneven split, as the recovery event's ``unweighted_ddps`` says."""
+    weight = gradient_weight(runtime)
+    if weight is None:
+        return 0
+    from torch.nn.parallel import DistributedDataParallel
+
+    hooked = skipped = 0
+    for ddp in [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)
+                and getattr(o.process_group, "closed", True) is False]:  # this world's
+        try:
+            ddp.register_comm_hook((weight, ddp.process_group), _weighted_sum)
+            hooked += 1
+        except RuntimeError:  # one registered already: the user's
+            skipped += 1
+    if skipped:
+        runtime.log.emit(Event.WORLD_RESIZED, rank=runtime.rank, unweighted_ddps=skipped)
+    return hooked
+
+
+def _weighted_sum(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP's all-reduce of one bucket, this rank's part weighed; ``state`` is ``(weight,
+    group)``. Unannotated: DDP checks a hook's annotations against its own types, and
+    this module's are strings (``from __future__ import annotations``)."""
+    weight, group = state
+    buffer = bucket.buffer().mul_(weight)
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def take_carried() -> Carried | None:

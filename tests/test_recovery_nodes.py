@@ -238,4 +238,7 @@ def test_node_lost_without_spare_node_stops_the_job(tmp_path):
     reason = stop_reason(job)
     assert "node 1" in reason and "no spare node" in reason, reason or job.output()
     assert "[2, 3]" in reason, reason
+    # recovery.on_no_spare is shrink by default, but this job's loader cannot split by rank
+    assert "cannot shrink instead: its loader (CharData) cannot be split by rank" in reason
+    assert not job.events("world_shrunk")
     assert not job.finals()

@@ -25,12 +25,12 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SCRIPT = "tests/launcher_scripts/shrink_ddp_loop.py"
 FAST = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5")
 SAMPLES, BATCH, EPOCHS = 384, 8, 2
-STEPS_PER_EPOCH = SAMPLES // (4 * BATCH)
 
 
-def _run(tmp: Path, *overrides: str, epochs: int = EPOCHS, sleep: float = 0.0, **kw):
+def _run(tmp: Path, *overrides: str, epochs: int = EPOCHS, sleep: float = 0.0, nnodes: int = 2,
+         **kw):
     out = tmp / "out"
-    job = run_job(tmp / "run", nnodes=2, timeout_s=200, script=SCRIPT,
+    job = run_job(tmp / "run", nnodes=nnodes, timeout_s=200, script=SCRIPT,
                   script_args=("--out", str(out), "--epochs", str(epochs), "--sleep", str(sleep),
                                "--batch", str(BATCH), "--samples", str(SAMPLES)),
                   overrides=list(overrides), **kw)
@@ -57,8 +57,8 @@ def _finals(out: Path) -> dict[int, dict]:
             for p in out.glob("final_slot*.json")}
 
 
-def _reference(tmp: Path, epochs: int) -> Path:
-    job, out = _run(tmp, epochs=epochs)
+def _reference(tmp: Path, epochs: int, nnodes: int = 2) -> Path:
+    job, out = _run(tmp, epochs=epochs, nnodes=nnodes)
     assert_succeeded(job)
     assert not job.events("recovery"), "the reference run recovered from something"
     return out
@@ -70,10 +70,11 @@ def reference(tmp_path_factory):
 
 
 def _assert_same_samples(ref: dict[int, list[dict]], got: dict[int, list[dict]],
-                         epochs: int) -> dict[int, int]:
+                         epochs: int, configured: int = 4) -> dict[int, int]:
     """Each step's global sample set equals the failure-free run's, nothing repeats in a
     step, every sample is seen once per epoch; returns step -> world size it ran at."""
-    total = epochs * STEPS_PER_EPOCH
+    per_epoch = SAMPLES // (configured * BATCH)
+    total = epochs * per_epoch
     assert sorted(ref) == sorted(got) == list(range(1, total + 1)), (sorted(ref), sorted(got))
     sizes = {}
     for step in range(1, total + 1):
@@ -85,12 +86,17 @@ def _assert_same_samples(ref: dict[int, list[dict]], got: dict[int, list[dict]],
         assert len(worlds) == 1, f"step {step} ran at several world sizes: {got[step]}"
         sizes[step] = worlds.pop()
         assert len(got[step]) == sizes[step], got[step]
-        assert all(len(r["index"]) == 4 // sizes[step] * BATCH for r in got[step]), got[step]
     for epoch in range(epochs):
-        seen = [i for s, recs in got.items() if (s - 1) // STEPS_PER_EPOCH == epoch
+        seen = [i for s, recs in got.items() if (s - 1) // per_epoch == epoch
                 for r in recs for i in r["index"]]
         assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: not each sample once"
     return sizes
+
+
+def _size_runs(sizes: dict[int, int]) -> list[int]:
+    """The world sizes the steps ran at, one entry per stretch."""
+    values = list(sizes.values())
+    return [n for i, n in enumerate(values) if i == 0 or n != values[i - 1]]
 
 
 def _max_rel_dev(a: list[float], b: list[float]) -> float:
@@ -104,7 +110,7 @@ def test_a_lost_node_without_spare_shrinks_the_job(tmp_path, reference, interval
     """Killed at step 5 under the default interval (the rollback goes to step 0), and at
     step 17 with a snapshot every 2 steps (to step 14 or 16, whether 16 had committed:
     mid-way through the second epoch, so the retired ranks' loaders resume mid-pass)."""
-    job, out = _run(tmp_path, "recovery.on_no_spare=shrink", "recovery.spare_wait_s=0.5",
+    job, out = _run(tmp_path, "recovery.spare_wait_s=0.5",  # on_no_spare=shrink: the default
                     f"recovery.fault=2:{fault_step}:backward:node",
                     f"replication.every_n_steps={interval}", *FAST)
     assert job.returncodes[1] == -9, f"node 1's agent should be SIGKILLed: {job.returncodes}"
@@ -148,8 +154,7 @@ def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, tmp_path_factory):
     assert [(e["node"], e["ranks"], e["world"]) for e in grown] == [(2, [2, 3], [0, 1, 2, 3])]
     sizes = _assert_same_samples(_steps(_reference(tmp_path_factory.mktemp("ref4"), epochs)),
                                  _steps(out), epochs)
-    runs = [n for i, n in enumerate(sizes.values()) if i == 0 or n != list(sizes.values())[i - 1]]
-    assert runs == [4, 2, 4], f"world sizes step by step: {sizes}"
+    assert _size_runs(sizes) == [4, 2, 4], f"world sizes step by step: {sizes}"
     newest = max(e["gen"] for e in job.events("recovery"))
     providers = {json.dumps(e["providers"], sort_keys=True)
                  for e in job.events("recovery") if e["gen"] == newest}
@@ -157,3 +162,29 @@ def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, tmp_path_factory):
     finals = _finals(out)
     assert sorted(finals) == [0, 1, 2, 3], sorted(finals)
     assert all(f["weights"] == finals[0]["weights"] for f in finals.values())
+
+
+def test_a_second_node_lost_after_a_shrink_shrinks_it_again(tmp_path, tmp_path_factory):
+    """3 nodes x 2: node 2 lost (6 -> 4 ranks, an uneven split: ranks 0 and 1 take two
+    ranks' batches, ranks 2 and 3 one, so gradients are weighed by what each took), then
+    node 1 (4 -> 2 ranks, each taking three). The job finishes at 2 ranks with every
+    step's samples those of the failure-free 6-rank run."""
+    epochs = 3
+    job, out = _run(tmp_path, "recovery.spare_wait_s=0.5", "replication.every_n_steps=2",
+                    "recovery.fault=4:5:backward:node;2:13:backward:node", *FAST,
+                    nnodes=3, epochs=epochs, sleep=0.05)
+    assert_succeeded(job, except_nodes=(1, 2))
+    shrunk = job.events("world_shrunk")
+    assert [(e["lost_node"], e["world"]) for e in shrunk] == [(2, [0, 1, 2, 3]), (1, [0, 1])]
+    reference = _reference(tmp_path_factory.mktemp("ref6"), epochs, nnodes=3)
+    sizes = _assert_same_samples(_steps(reference), _steps(out), epochs, configured=6)
+    assert _size_runs(sizes) == [6, 4, 2], f"world sizes step by step: {sizes}"
+    first = min(e["gen"] for e in job.events("world_resized"))
+    weighted = {e["rank"]: e["weighted_ddps"] for e in job.events("recovery")
+                if e["gen"] == first}
+    assert weighted == {0: 1, 1: 1, 2: 1, 3: 1}, weighted  # the uneven 4-rank world
+    finals, ref_finals = _finals(out), _finals(reference)
+    assert sorted(finals) == [0, 1]
+    dev = _max_rel_dev(finals[0]["weights"], ref_finals[0]["weights"])
+    print(f"final_max_rel_dev {dev:.3e}")
+    assert dev < 1e-4, f"final weights deviate by {dev:.3e} from the failure-free run"
