@@ -54,8 +54,8 @@ class Carried:
     engine: Any
     store: Any
     replicas: Any = None
-    #: Ranks of the new world whose data this rank took in the old one: data-parallel
-    #: twins, whose state is this rank's own (``Replicator(twins=...)`` serves it).
+    #: Ranks of the new world whose state is this rank's own, data-parallel as it is
+    #: (``Replicator(twins=...)`` serves it to any of them that holds none).
     twins: tuple[int, ...] = ()
     moved_from: dict[str, int] = field(default_factory=dict)
 
@@ -93,8 +93,10 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
         runtime.durable.writer.close()
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
         refuse_unless_resizable(runtime, new)
-        hosted = runtime.world.hosted(runtime.rank) if runtime.world.resized else ()
-        twins = tuple(r for v in hosted[1:] if (r := new.rank_of(v)) is not None)
+        # Data-parallel: this rank's state is any rank's, so it can serve every rank of
+        # the new world that holds none (the ranks of a node that joins, a process that
+        # died with the node). Only their random state and per-rank extras differ.
+        twins = tuple(r for r in range(new.size) if r != new.rank_of(runtime.slot))
         _carried = Carried(replicator.engine, runtime.store, twins=twins,
                            moved_from={"rank": runtime.rank, "world": runtime.world_size})
     raise WorldResized(new)

@@ -188,3 +188,31 @@ def test_a_second_node_lost_after_a_shrink_shrinks_it_again(tmp_path, tmp_path_f
     dev = _max_rel_dev(finals[0]["weights"], ref_finals[0]["weights"])
     print(f"final_max_rel_dev {dev:.3e}")
     assert dev < 1e-4, f"final weights deviate by {dev:.3e} from the failure-free run"
+
+
+def test_a_process_lost_with_the_node_is_given_a_twins_state(tmp_path, reference):
+    """Node 1 and, at the same step, rank 1 on node 0 die: slot 1's new process holds no
+    state and no replica of it survives, but the job is data-parallel, so rank 0's own
+    snapshot is its state too (a twin): the job shrinks to 2 ranks and finishes."""
+    job, out = _run(tmp_path, "recovery.spare_wait_s=0.5", "replication.every_n_steps=2",
+                    "recovery.fault=2:9:backward:node;1:9:backward", *FAST, sleep=0.05)
+    assert_succeeded(job, except_nodes=(1,))
+    sizes = _assert_same_samples(_steps(reference), _steps(out), EPOCHS)
+    assert _size_runs(sizes) == [4, 2], sizes
+    newest = max(e["gen"] for e in job.events("recovery"))
+    last = [e for e in job.events("recovery") if e["gen"] == newest]
+    assert {e["rank"]: e["newcomer"] for e in last} == {0: False, 1: True}, last
+    assert all(e["providers"] == {"1": 0} for e in last), last
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1] and finals[0]["weights"] == finals[1]["weights"]
+
+
+def test_on_no_spare_stop_keeps_the_job_from_shrinking(tmp_path):
+    """``recovery.on_no_spare=stop``: the same loss stops the job (exit 75, for a
+    scheduler to requeue), with the line that says why."""
+    job, _ = _run(tmp_path, "recovery.on_no_spare=stop", "recovery.fault=2:5:backward:node",
+                  *FAST)
+    assert job.returncodes[0] == 75, job.returncodes
+    assert not job.events("world_shrunk")
+    assert "node 1 lost (ranks [2, 3]) and no spare node took them over" in \
+        job.agents[0].stderr, job.output()
