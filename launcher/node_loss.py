@@ -127,8 +127,7 @@ class NodeLossHandling:
                   and membership.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
-            elif (self.group is not None
-                  and time.monotonic() - lost.detected_at > self.rcfg.spare_wait_s
+            elif (self.group is not None and self._spare_wait_over(lost)
                   and self._why_not_shrink() is None
                   and membership.take_over(self.store, g, lost.lost_node, world.RETIRED)):
                 del self.lost_groups[g]
@@ -141,6 +140,17 @@ class NodeLossHandling:
                                    f"{self._ranks(g)}) and no spare node took them over" + (
                                        f"; the job cannot shrink instead: {why}"
                                        if self.rcfg.on_no_spare == "shrink" else ""))
+
+    def _spare_wait_over(self, lost: LostGroup) -> bool:
+        """Whether a lost group has waited long enough for a spare node: at once when the
+        job has none (no idle agent registered, lost ones aside), else
+        ``recovery.spare_wait_s``. A node only slow has had the heartbeat timeout
+        already before it was declared lost."""
+        if time.monotonic() - lost.detected_at > self.rcfg.spare_wait_s:
+            return True
+        owners = set(membership.owners(self.store, self.args.nnodes).values())
+        return not [n for n in membership.registered_nodes(self.store)
+                    if n not in owners and n not in self.watch.lost]
 
     def _why_not_shrink(self) -> str | None:
         """Why the job may not shrink (None: it may): ``recovery.on_no_spare``, or what

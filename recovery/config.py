@@ -76,9 +76,9 @@ class RecoveryConfig:
     )
     spare_wait_s: float = field(
         default=5.0,
-        metadata={"help": "with on_no_spare: shrink, how long a lost node's ranks wait for a "
-                          "spare node (or for their node to come back) before the job "
-                          "shrinks", "min": 0.0},
+        metadata={"help": "with on_no_spare: shrink and a spare node in the job, how long "
+                          "a lost node's ranks wait for it to take them over before the job "
+                          "shrinks (with no spare node, it shrinks at once)", "min": 0.0},
     )
     store_outage_s: float = field(
         default=15.0,

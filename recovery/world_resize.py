@@ -93,13 +93,22 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
         runtime.durable.writer.close()
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
         refuse_unless_resizable(runtime, new)
-        # Data-parallel: this rank's state is any rank's, so it can serve every rank of
-        # the new world that holds none (the ranks of a node that joins, a process that
-        # died with the node). Only their random state and per-rank extras differ.
-        twins = tuple(r for r in range(new.size) if r != new.rank_of(runtime.slot))
+        twins = _twins(runtime.world, new, runtime.slot)
         _carried = Carried(replicator.engine, runtime.store, twins=twins,
                            moved_from={"rank": runtime.rank, "world": runtime.world_size})
     raise WorldResized(new)
+
+
+def _twins(old: world.World, new: world.World, slot: int) -> tuple[int, ...]:
+    """The ranks of ``new`` this rank (launch rank ``slot``) offers its own state to:
+    data-parallel, its state is any rank's but for the random state and per-rank extras,
+    so it can serve every rank that holds none. A retired rank coming back is offered
+    only by the rank that took its data (the work of serving is spread); a rank whose
+    process died (with a node, say) by every rank, the lowest serving it."""
+    hosts = {v: old.slots[r] for r in range(old.size) for v in old.hosted(r)}
+    mine = new.rank_of(slot)
+    return tuple(r for r, s in enumerate(new.slots)
+                 if r != mine and (s not in old.retired or hosts.get(s) == slot))
 
 
 def joined_world(runtime: Any, loader_entry: Any) -> world.World:

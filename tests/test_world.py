@@ -102,3 +102,14 @@ def test_no_store_no_resize(monkeypatch):
     world_resize.enter_current_world(env)
     assert env == {"RANK": "0", "WORLD_SIZE": "1"}
     assert os.environ.get(world.ENV_SLOT) is None
+
+
+def test_who_offers_its_state_to_whom():
+    """Growing 2 -> 4: each retired rank is offered by the rank that took its data; a
+    rank whose process died with its node (slot 1 of 4 -> 2) by every survivor."""
+    from recovery.world_resize import _twins
+
+    shrunk, full = world.World(4, (0, 1)), world.World.launch(4)
+    # each also offers to the other survivor, in case its process dies meanwhile
+    assert _twins(shrunk, full, 0) == (1, 2) and _twins(shrunk, full, 1) == (0, 3)
+    assert _twins(full, shrunk, 0) == (1,) and _twins(full, shrunk, 1) == (0,)
