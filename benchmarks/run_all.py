@@ -260,6 +260,34 @@ BENCHES = {
                 "steps are CPU-bound; another host's network, NCCL and a failure are not "
                 "captured (bit-identity after a kill is tested in tests/test_ddp_layout.py).",
     },
+    "bench_elastic": {
+        "title": "No spare node: shrinking in place against torchrun elastic",
+        "accept": {
+            "shrink_over_elastic_restart": ("<=", 0.2),
+            "throughput_after_shrink_over_ideal": (">=", 0.9),
+            "samples_lost": ("==", 0),
+            "samples_repeated": ("==", 0),
+        },
+        "note": "A DDP job (an MLP of 4 x 512 x 512, a DataLoader over a DistributedSampler, "
+                "batch 32 per rank, 2 nodes x 1 worker on this host, no spare node): node 1 "
+                "(agent and worker) SIGKILLed at step 40. checkpointless shrinks to 1 rank, "
+                "which takes both ranks' batches (the global batch kept), against torchrun "
+                "--nnodes=1:2 (c10d, elastic) restarting the survivor at world size 1 from "
+                "a synchronous DCP checkpoint taken every 10 steps. Times run from the kill "
+                "to the first step completed at 1 rank; full mode runs both at their "
+                "defaults (checkpointless declares a node lost after "
+                "recovery.heartbeat_timeout_s, 15 s, and with no spare node in the job "
+                "shrinks at once; torchrun's rendezvous waits its last call, 30 s), quick "
+                "mode shortens both (a 3 s heartbeat timeout against a 3 s last call). "
+                "`shrink_detect_s` is the part before the loss is declared, "
+                "`shrink_after_decision_s` the re-run of the script at the new size and "
+                "the rollback. The throughput ratio compares steps at 1 rank (two batches) "
+                "with steps at 2 ranks (one each, plus a gloo all-reduce): on a 2-core host "
+                "the 2-rank steps compete for the cores, so the ratio is far above what a "
+                "cluster would see (ideal scaling gives 1.0). Samples are each step's "
+                "global set against the failure-free run's; the final weights deviate "
+                "(`final_max_rel_dev`): the sums run in another order after the shrink.",
+    },
     "bench_scale": {
         "title": "Control plane at scale: commit, liveness, rendezvous, model to 16k",
         "accept": {

@@ -14,8 +14,12 @@ with its own failure modes (ADR 0010), so it lives here rather than in the poll 
   generation;
 - a lost node whose heartbeat resumes before anyone took its ranks keeps them
   (``node_returned``);
-- a lost group that nobody takes within :data:`TAKEOVER_PATIENCE` heartbeat timeouts
-  stops the job;
+- a lost group that no spare node takes (at once when the job has none, else within
+  ``recovery.spare_wait_s``) is retired, and the job shrinks to go on without it, if
+  ``recovery.on_no_spare`` is ``shrink`` and rank 0 said the job can (ADR 0035); an
+  idle agent later claims a retired group back and the job grows;
+- a lost group that nobody takes or retires within :data:`TAKEOVER_PATIENCE` heartbeat
+  timeouts stops the job;
 - a node that finds its own ranks taken over (it was only slow) is fenced: it stops its
   workers and spares and leaves the job (the store host stays, idle, to the end).
 
