@@ -100,7 +100,7 @@ def step_sets(out: Path) -> dict[int, list[int]]:
     """Each step's samples, from the newest generation that ran it."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for r in _records(out):
-        if "step" in r and "event" not in r:
+        if "step" in r and "mark" not in r:
             by_step[r["step"]].append(r)
     sets = {}
     for step, recs in by_step.items():
@@ -113,7 +113,7 @@ def step_seconds(recs: list[dict], world: int, after: float = 0.0) -> float:
     """Median seconds between consecutive steps of one process at ``world`` ranks."""
     by_proc: dict[int, list[float]] = defaultdict(list)
     for r in recs:
-        if r.get("world") == world and "event" not in r and r["ts"] > after:
+        if r.get("world") == world and "mark" not in r and r["ts"] > after:
             by_proc[r.get("slot", 0)].append(r["ts"])
     ts = sorted(by_proc[min(by_proc)])[2:]  # past the first steps (warm-up, replays)
     return statistics.median(b - a for a, b in pairwise(ts))
@@ -141,13 +141,13 @@ def main() -> None:
     lost = min(e["ts"] for e in events if e["event"] == Event.NODE_LOST)
     shrunk = min(e["ts"] for e in events if e["event"] == Event.WORLD_SHRUNK)
     recs = _records(cl)
-    first_small = min(r["ts"] for r in recs if r.get("world") == 1 and "event" not in r)
+    first_small = min(r["ts"] for r in recs if r.get("world") == 1 and "mark" not in r)
     progress("torchrun --nnodes=1:2 + DCP, node 1 SIGKILLed at the same step")
     tr = tmp / "torchrun"
     run_torchrun_elastic(tr, [*worker, "--ckpt-every", "10"], 3.0 if args.quick else None)
     trecs = _records(tr)
-    t_kill = next(r["ts"] for r in trecs if r.get("event") == "kill")
-    t_first = min(r["ts"] for r in trecs if r.get("world") == 1 and "event" not in r
+    t_kill = next(r["ts"] for r in trecs if r.get("mark") == "kill")
+    t_first = min(r["ts"] for r in trecs if r.get("world") == 1 and "mark" not in r
                   and r["ts"] > t_kill)
 
     ref_sets, got_sets = step_sets(ref), step_sets(cl)

@@ -117,7 +117,7 @@ def run_dcp(args: argparse.Namespace, out: Path) -> None:
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=str(path))
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        prog.emit(event="resumed_from", step=step, world=world)
+        prog.emit(mark="resumed_from", step=step, world=world)
     per_epoch = len(loader)
     total = args.epochs * (args.samples // (args.batch * args.configured))
     while step < total:  # the step count of the configured world; the data re-split
@@ -128,7 +128,7 @@ def run_dcp(args: argparse.Namespace, out: Path) -> None:
                 continue
             step += 1
             if step == args.die_at and rank == 1 and not done:
-                prog.emit(event="kill", step=step)
+                prog.emit(mark="kill", step=step)
                 # this node: its torchrun agent (which started the worker in a session
                 # of its own), then the worker
                 os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
