@@ -161,7 +161,7 @@ class NodeLossHandling:
         rank 0 found about its state and loader (:mod:`recovery.world_resize`)."""
         if self.rcfg.on_no_spare != "shrink":
             return "recovery.on_no_spare is stop"
-        known, why = world.resizability(self.store)
+        known, why, _ = world.resizability(self.store)
         return why if known else "its ranks have not said yet whether they can"
 
     def _shrink(self, group: int, lost: LostGroup) -> None:
@@ -183,10 +183,12 @@ class NodeLossHandling:
         self._emit(Event.WORLD_SHRUNK, lost_node=lost.lost_node, group=group, ranks=ranks,
                    world=list(slots), configured=configured, version=new.version,
                    waited_s=round(time.monotonic() - lost.detected_at, 3))
-        self._log(f"no spare node took ranks {ranks} of lost node {lost.lost_node} within "
-                  f"{self.rcfg.spare_wait_s:g}s: the job shrinks to {new.describe()}; the "
-                  f"global batch is kept, so expect about {len(slots) / configured:.0%} of "
-                  "the throughput")
+        waited = time.monotonic() - lost.detected_at
+        why = (f"no spare node took ranks {ranks} of lost node {lost.lost_node} within "
+               f"{waited:.1f}s" if waited >= self.rcfg.spare_wait_s else
+               f"the job has no spare node to take ranks {ranks} of lost node {lost.lost_node}")
+        self._log(f"{why}: the job shrinks to {new.describe()}; the global batch is kept, so "
+                  f"expect about {len(slots) / configured:.0%} of the throughput")
         cause = {**self._node_lost_cause(lost.lost_node, group),
                  "kind": FailureCause.WORLD_SHRUNK, "world": list(slots)}
         self._declare(protocol.current_generation(self.store), cause)
@@ -213,7 +215,14 @@ class NodeLossHandling:
         if self.group is not None or self._fenced_out or world.versions(self.store) == 0:
             return
         owners = membership.owners(self.store, self.args.nnodes)
-        for g in sorted(g for g, owner in owners.items() if owner == world.RETIRED):
+        retired = sorted(g for g, owner in owners.items() if owner == world.RETIRED)
+        _, _, why_not = world.resizability(self.store)
+        if retired and why_not is not None:
+            if not getattr(self, "_said_no_grow", False):
+                self._said_no_grow = True
+                self._log(f"not taking retired ranks back: {why_not}")
+            return
+        for g in retired:
             if membership.take_over(self.store, g, world.RETIRED, self.node):
                 self._grow(g)
                 return

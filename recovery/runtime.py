@@ -586,6 +586,8 @@ class Checkpointless:
         """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its parts'
         times go to ``self._transfer_parts``. Returns the bytes moved."""
         assert self.replicator is not None
+        if (resharded := world_resize.reshard(self, plan.target_step)) is not None:
+            return resharded  # FSDP2 state after the world changed size
         result = self.replicator.recover(plan.target_step, plan.providers)
         self._transfer_parts, self._bytes_already_held = result.parts, result.skipped
         return result.moved

@@ -57,7 +57,14 @@ class Carried:
     #: Ranks of the new world whose state is this rank's own, data-parallel as it is
     #: (``Replicator(twins=...)`` serves it to any of them that holds none).
     twins: tuple[int, ...] = ()
+    #: A sharded (FSDP2) state is resharded instead (:mod:`recovery.reshard`), from the
+    #: old world's snapshots and these replicas of the old ranks.
+    old_replicas: Any = None
     moved_from: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def sharded(self) -> bool:
+        return self.old_replicas is not None
 
     def held(self) -> tuple[list[int], dict[int, list[int]]]:
         own = self.engine.held_steps()
@@ -77,6 +84,7 @@ class Carried:
 
 
 _carried: Carried | None = None
+_resharding: Carried | None = None  # taken by the new runtime, resharded in its handover
 
 
 def leave(runtime: Any, new: world.World, gen: int) -> None:
@@ -93,10 +101,48 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
         runtime.durable.writer.close()
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
         refuse_unless_resizable(runtime, new)
-        twins = _twins(runtime.world, new, runtime.slot)
-        _carried = Carried(replicator.engine, runtime.store, twins=twins,
-                           moved_from={"rank": runtime.rank, "world": runtime.world_size})
+        moved = {"rank": runtime.rank, "world": runtime.world_size}
+        if _sharded_entries(runtime):  # FSDP2: resharded from every old rank's copy
+            _carried = Carried(replicator.engine, runtime.store,
+                               old_replicas=replicator.replicas, moved_from=moved)
+        else:
+            _carried = Carried(replicator.engine, runtime.store, moved_from=moved,
+                               twins=_twins(runtime.world, new, runtime.slot))
     raise WorldResized(new)
+
+
+def reshard(runtime: Any, target: int) -> int | None:
+    """Restore ``target`` resharded at this world's size, if the process brought a
+    sharded state from another world (:mod:`recovery.reshard`), and commit it again as
+    the same step in the new layout; returns the sharded bytes received, or None when
+    there is nothing to reshard (the handover runs as usual)."""
+    global _resharding
+    carried, _resharding = _resharding, None
+    if carried is None:
+        return None
+    from recovery import reshard as resharding
+
+    old_rank, old_world = carried.moved_from["rank"], carried.moved_from["world"]
+    held = resharding.held_states(carried.engine, carried.old_replicas, old_rank, target)
+    states, received = resharding.resharded_states(runtime.state, held, old_rank, old_world,
+                                                   runtime.rank, runtime.world_size)
+    del held
+    carried.engine.forget()  # the old layout's slots
+    runtime.state.restore(states)
+    runtime.commit_initial(target)  # every copy of it again, in the new layout
+    runtime.log.emit(Event.WORLD_RESIZED, rank=runtime.rank, resharded_step=target,
+                     old_world=old_world, world=runtime.world_size, bytes_received=received)
+    return received
+
+
+def _sharded_entries(runtime: Any) -> list[str]:
+    """The state's modules with sharded (DTensor) parameters: FSDP2."""
+    import torch
+
+    from recovery.reshard import is_sharded
+
+    return [name for name, obj in runtime.state if isinstance(obj, torch.nn.Module)
+            and any(is_sharded(p) for p in obj.parameters())]
 
 
 def _twins(old: world.World, new: world.World, slot: int) -> tuple[int, ...]:
@@ -144,19 +190,24 @@ def host_data(entry: Any, ranks: tuple[int, ...], configured: int) -> None:
 def why_not_resizable(runtime: Any) -> str | None:
     """Why the job cannot go on at another size, or None if it can: every module of its
     state must be a data-parallel replica (a DDP, or a model whose gradients
-    ``all_reduce_gradients`` averaged), so a rank's own state is right at any size and a
-    retired rank's is its host's (sharded states would need resharding, not built); and
-    its loader must split by rank (:mod:`recovery.hosted_loader`)."""
+    ``all_reduce_gradients`` averaged: a rank's own state is right at any size, and a
+    retired rank's is its host's) or sharded by 1-D FSDP2 (resharded,
+    :mod:`recovery.reshard`); and its loader must split by rank
+    (:mod:`recovery.hosted_loader`)."""
     import torch
 
     from recovery.loader_position import LoaderPosition
+    from recovery.reshard import sharding_refusal
 
-    sharded = [name for name, obj in runtime.state
-               if isinstance(obj, torch.nn.Module) and name not in runtime._dp_entries]
-    if sharded:
-        return (f"state {', '.join(map(repr, sharded))} is not a data-parallel replica (DDP, "
-                "or a model passed to all_reduce_gradients), and resharding it in memory is "
-                "not built")
+    fsdp = _sharded_entries(runtime)
+    other = [name for name, obj in runtime.state if isinstance(obj, torch.nn.Module)
+             and name not in runtime._dp_entries and name not in fsdp]
+    if other:
+        return (f"state {', '.join(map(repr, other))} is neither a data-parallel replica "
+                "(DDP, or a model passed to all_reduce_gradients) nor sharded by FSDP2")
+    for name in fsdp:
+        if (why := sharding_refusal(dict(iter(runtime.state))[name])) is not None:
+            return f"state {name!r}: {why}"
     entry = dict(iter(runtime.state)).get("loader")
     if isinstance(entry, LoaderPosition):
         return entry.split_refusal()
@@ -171,9 +222,11 @@ def publish_resizability(runtime: Any) -> None:
     if runtime.rank != 0 or not runtime.env.launched:
         return
     why = why_not_resizable(runtime)
-    if getattr(runtime, "_resizability_said", ()) != (why,):
-        world.record_resizability(runtime.store, why)
-        runtime._resizability_said = (why,)
+    grow = why or ("growing an FSDP2 job back (resharding to more ranks) is not built"
+                   if _sharded_entries(runtime) else None)
+    if getattr(runtime, "_resizability_said", ()) != (why, grow):
+        world.record_resizability(runtime.store, why, grow)
+        runtime._resizability_said = (why, grow)
 
 
 def refuse_unless_resizable(runtime: Any, new: world.World) -> None:
@@ -239,8 +292,9 @@ def _weighted_sum(state, bucket):  # type: ignore[no-untyped-def]
 
 def take_carried() -> Carried | None:
     """The engine a previous run of the script left (once), or None."""
-    global _carried
+    global _carried, _resharding
     carried, _carried = _carried, None
+    _resharding = carried if carried is not None and carried.sharded else None
     return carried
 
 

@@ -160,6 +160,15 @@ class SnapshotEngine:
         if self.overlap:
             state.add_restore_guard(_weak_fence(self))
 
+    def forget(self) -> None:
+        """Drop every snapshot: they hold another layout (a state resharded to a new
+        world size is captured again, as the same step, in the new one)."""
+        self.fence()
+        with self._lock:
+            for slot in self.slots:
+                slot.step, slot.digests = -1, None
+            self._protected_step = -1
+
     # -- capture ---------------------------------------------------------------------
     def capture(self, step: int) -> SnapshotSlot:
         """Copy the live state into a free slot. This is the training loop's stall.

@@ -216,3 +216,42 @@ def test_on_no_spare_stop_keeps_the_job_from_shrinking(tmp_path):
     assert not job.events("world_shrunk")
     assert "node 1 lost (ranks [2, 3]) and no spare node took them over" in \
         job.agents[0].stderr, job.output()
+
+
+FSDP2_SCRIPT = "tests/launcher_scripts/shrink_fsdp2_loop.py"
+
+
+def _run_fsdp2(tmp: Path, *overrides: str):
+    out = tmp / "out"
+    job = run_job(tmp / "run", nnodes=2, timeout_s=200, script=FSDP2_SCRIPT,
+                  script_args=("--out", str(out), "--epochs", str(EPOCHS), "--batch",
+                               str(BATCH), "--samples", str(SAMPLES)),
+                  overrides=list(overrides))
+    return job, out
+
+
+def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_factory):
+    """FSDP2 over 4 ranks (layers of 13, 7 and 1 rows: unequal and empty shards), node 1
+    lost: the survivors reshard every parameter and Adam state from 4 to 2 shards, from
+    their own shards and their replicas of ranks 2 and 3. The full state the first step
+    after the shrink starts from equals, bit for bit, the one the failure-free run's same
+    step starts from; every step's samples are the failure-free run's."""
+    ref_job, ref = _run_fsdp2(tmp_path_factory.mktemp("fsdp2_reference"))
+    assert_succeeded(ref_job)
+    job, out = _run_fsdp2(tmp_path, "replication.every_n_steps=2",
+                          "recovery.fault=2:9:backward:node", *FAST)
+    assert_succeeded(job, except_nodes=(1,))
+    assert [e["world"] for e in job.events("world_shrunk")] == [[0, 1]]
+    resharded = [e for e in job.events("world_resized") if "resharded_step" in e]
+    assert sorted(e["rank"] for e in resharded) == [0, 1], resharded
+    target = resharded[0]["resharded_step"]
+    assert target in (6, 8), target
+    got, want = _steps(out), _steps(ref)
+    sizes = _assert_same_samples(want, got, EPOCHS)
+    assert _size_runs(sizes) == [4, 2], sizes
+    first = got[target + 1]
+    assert {r["world"] for r in first} == {2}
+    assert {r["start"] for r in first} == {want[target + 1][0]["start"]}, (
+        "the resharded state differs from the state before the shrink")
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1] and finals[0]["digest"] == finals[1]["digest"]

@@ -1,0 +1,161 @@
+"""FSDP2 state resharded in memory when the job's world shrinks (ADR 0035).
+
+Data-parallel state is any rank's, so a shrink restores each survivor's own snapshot.
+FSDP2 state is not: rank ``i`` of ``N`` holds rows ``[i*c, (i+1)*c)`` of every sharded
+parameter and of its optimizer state (``c = ceil(rows / N)``, torch.chunk's split along
+dim 0, as ``fully_shard`` makes it), and at ``M`` ranks every rank needs other rows. The
+rows of the ranks that were lost live on in the survivors' replicas of them. So, at the
+committed step:
+
+1. each survivor decodes the old ranks' states it holds (its own snapshot, and its
+   replicas), verified segment by segment;
+2. one all-gather says who holds which old rank; the lowest holder provides it (an old
+   rank nobody holds makes the resharding impossible, said in one line);
+3. for every sharded tensor, in the same order on every rank (the keys of the rank's own
+   old state), each old shard is broadcast from its provider and every rank keeps the
+   rows of its new shard: one shard in flight at a time, so the memory on top of the
+   state is one old shard, not the full model;
+4. everything that is not sharded (buffers, the scheduler, RNG, the data position) is
+   the rank's own old state; the new state is restored into the objects the script
+   built at the new size, and committed again as the same step in the new layout.
+
+The result is exact: the full parameters and optimizer state after the shrink equal
+those before it, bit for bit (``tests/test_shrink.py``). The broadcasts send each old
+shard to every rank, a full state's bytes per rank (a point-to-point plan would send
+each only the rows it needs). Only 1-D FSDP2 (``Shard(0)`` on one mesh dimension) is
+resharded; HSDP and other placements are refused before the job shrinks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recovery.errors import RecoveryImpossible
+from replication.digest_copy import verify_segments
+from replication.layout import unflatten_segment
+
+
+def is_sharded(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def sharding_refusal(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s sharded parameters cannot be resharded here, or None."""
+    for name, p in module.named_parameters():
+        if not is_sharded(p):
+            continue
+        placements = tuple(type(pl).__name__ for pl in p.placements)
+        if p.device_mesh.ndim != 1 or placements != ("Shard",) or p.placements[0].dim != 0:
+            return (f"parameter {name!r} is laid out as {placements} over a "
+                    f"{p.device_mesh.ndim}-D mesh; only 1-D FSDP2 (Shard(0)) is resharded")
+    return None
+
+
+def _decode(buffer: torch.Tensor, meta: Any) -> dict[str, Any]:
+    verify_segments(buffer, meta)
+    return {seg.name: unflatten_segment(buffer[seg.offset: seg.offset + seg.nbytes], seg,
+                                        meta.skeletons[seg.name])
+            for seg in meta.layout.segments}
+
+
+def held_states(engine: Any, replicas: Any, own: int, step: int) -> dict[int, dict[str, Any]]:
+    """The old ranks' states this rank holds at ``step``: its own, and its replicas
+    (a replica's segments shared with the own snapshot come from it)."""
+    mine = engine.slot_for(step)
+    held = {own: _decode(mine.buffer, mine.meta())}
+    for src, steps in (replicas.held_steps() if replicas is not None else {}).items():
+        if step not in steps or src in held:
+            continue
+        rslot = replicas.get(src, step)
+        buffer = rslot.buffer.clone()
+        for name in rslot.shared:
+            seg = rslot.meta.layout.segment(name)
+            buffer[seg.offset: seg.offset + seg.nbytes].copy_(mine.segment_bytes(name))
+        held[src] = _decode(buffer, rslot.meta)
+    return held
+
+
+def providers(held: set[int], old_world: int, rank: int, world: int) -> dict[int, int]:
+    """Old rank -> the lowest new rank holding it (collective: one all-gather)."""
+    mask = torch.zeros(old_world, dtype=torch.int64)
+    mask[sorted(held)] = 1
+    masks = [torch.zeros_like(mask) for _ in range(world)]
+    dist.all_gather(masks, mask)
+    out, missing = {}, []
+    for i in range(old_world):
+        holders = [r for r in range(world) if int(masks[r][i])]
+        if holders:
+            out[i] = holders[0]
+        else:
+            missing.append(i)
+    if missing:
+        raise RecoveryImpossible(
+            f"the job shrank, but no surviving rank holds the state of old rank(s) "
+            f"{missing} (their own copy and every replica were lost), so its FSDP2 shards "
+            "cannot be resharded")
+    return out
+
+
+def gather_rows(shape: torch.Size, dtype: torch.dtype, old_world: int,
+                provider: dict[int, int], shard_of: Callable[[int], torch.Tensor],
+                rank: int, world: int) -> torch.Tensor:
+    """This rank's new shard (rows of dim 0) of a tensor of global ``shape``, from the old
+    shards, each broadcast by its provider (collective: every rank, same order)."""
+    rows, rest = shape[0], tuple(shape[1:])
+    c_old, c_new = math.ceil(rows / old_world), math.ceil(rows / world)
+    lo, hi = min(rank * c_new, rows), min((rank + 1) * c_new, rows)
+    out = torch.empty((hi - lo, *rest), dtype=dtype)
+    for i in range(old_world):
+        a, b = min(i * c_old, rows), min((i + 1) * c_old, rows)
+        if a >= b:
+            continue
+        if provider[i] == rank:
+            buf = shard_of(i).contiguous().clone()
+        else:
+            buf = torch.empty((b - a, *rest), dtype=dtype)
+        dist.broadcast(buf, src=provider[i])
+        x, y = max(a, lo), min(b, hi)
+        if x < y:
+            out[x - lo: y - lo].copy_(buf[x - a: y - a])
+    return out
+
+
+def resharded_states(state: Any, held: dict[int, dict[str, Any]], own: int, old_world: int,
+                     rank: int, world: int) -> tuple[dict[str, Any], int]:
+    """The states to restore at the new size, and the sharded bytes this rank got."""
+    provider = providers(set(held), old_world, rank, world)
+    states = dict(held[own])
+    received = 0
+    for name, obj in state:
+        if name not in states:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            live = obj.state_dict()
+            new = dict(states[name])
+            for key, dst in live.items():
+                if is_sharded(dst):
+                    new[key] = gather_rows(dst.shape, dst.dtype, old_world, provider,
+                                           lambda i, n=name, k=key: held[i][n][k], rank, world)
+                    received += new[key].numel() * new[key].element_size()
+            states[name] = new
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            old = states[name]
+            new_state = {}
+            for pid, entry in old["state"].items():
+                p = params[pid]
+                new_entry = dict(entry)
+                for key, value in entry.items():
+                    if is_sharded(p) and isinstance(value, torch.Tensor) and value.ndim == p.ndim:
+                        new_entry[key] = gather_rows(
+                            p.shape, value.dtype, old_world, provider,
+                            lambda i, n=name, q=pid, k=key: held[i][n]["state"][q][k],
+                            rank, world)
+                new_state[pid] = new_entry
+            states[name] = {**old, "state": new_state}
+    return states, received
