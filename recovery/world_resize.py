@@ -164,7 +164,7 @@ def joined_world(runtime: Any, loader_entry: Any) -> world.World:
         return world.World.launch(runtime.world_size)
     gen = protocol.current_generation(runtime.store)
     current = world.current(runtime.store, gen + 1, runtime.configured)
-    if current.resized:
+    if current.resized and loader_entry is not None:  # a framework hosts its own loaders
         try:
             host_data(loader_entry, current.hosted(runtime.rank), runtime.configured)
         except RecoveryImpossible as exc:
@@ -208,6 +208,9 @@ def why_not_resizable(runtime: Any) -> str | None:
     for name in fsdp:
         if (why := sharding_refusal(dict(iter(runtime.state))[name])) is not None:
             return f"state {name!r}: {why}"
+    integration = getattr(runtime, "resize_refusal", None)  # a framework's own loaders
+    if integration is not None:
+        return integration()
     entry = dict(iter(runtime.state)).get("loader")
     if isinstance(entry, LoaderPosition):
         return entry.split_refusal()

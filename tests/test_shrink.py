@@ -255,3 +255,39 @@ def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_facto
         "the resharded state differs from the state before the shrink")
     finals = _finals(out)
     assert sorted(finals) == [0, 1] and finals[0]["digest"] == finals[1]["digest"]
+
+
+LIGHTNING_SCRIPT = "tests/lightning_scripts/shrink_ddp.py"
+
+
+def _run_lightning(tmp: Path, *overrides: str):
+    out = tmp / "out"
+    job = run_job(tmp / "run", nnodes=2, timeout_s=240, script=LIGHTNING_SCRIPT,
+                  script_args=("--out", str(out), "--epochs", str(EPOCHS), "--batch",
+                               str(BATCH), "--samples", str(SAMPLES)),
+                  overrides=list(overrides))
+    return job, out
+
+
+def test_lightning_ddp_shrinks_with_the_same_samples(tmp_path, tmp_path_factory):
+    """Lightning's DDP (its own DistributedSampler) on 2 nodes x 2, node 1 lost: the
+    script runs again at 2 ranks (the strategy takes the node count from the world),
+    each rank takes a lost rank's batches, and every step's samples are the failure-free
+    run's; the logger's rows go on to the last step."""
+    ref_job, ref = _run_lightning(tmp_path_factory.mktemp("lightning_reference"))
+    assert_succeeded(ref_job)
+    job, out = _run_lightning(tmp_path, "replication.every_n_steps=2",
+                              "recovery.fault=2:9:backward:node", *FAST)
+    assert_succeeded(job, except_nodes=(1,))
+    assert [e["world"] for e in job.events("world_shrunk")] == [[0, 1]]
+    sizes = _assert_same_samples(_steps(ref), _steps(out), EPOCHS)
+    assert _size_runs(sizes) == [4, 2], sizes
+    finals, ref_finals = _finals(out), _finals(ref)
+    assert sorted(finals) == [0, 1] and finals[0]["weights"] == finals[1]["weights"]
+    assert finals[0]["step"] == ref_finals[0]["step"] == EPOCHS * SAMPLES // (4 * BATCH)
+    dev = _max_rel_dev(finals[0]["weights"], ref_finals[0]["weights"])
+    print(f"final_max_rel_dev {dev:.3e}")
+    assert dev < 5e-4, dev  # 4.6e-5 measured: momentum SGD carries the reordered sums
+    rows = [line.split(",") for p in (out / "csv").glob("version_*/metrics.csv")
+            for line in p.read_text().splitlines()[1:]]
+    assert rows and max(int(r[1]) for r in rows) == finals[0]["step"] - 1, rows[-3:]

@@ -25,10 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from recovery import hosted_loader
+from recovery.errors import RecoveryImpossible
 from recovery.loader_position import is_stateful as _stateful
 from recovery.loader_position import open_from, skip
 
-_OWN = frozenset({"_inner", "_hooks", "_yielded", "_creation_rng", "_resume"})
+_OWN = frozenset({"_inner", "_hooks", "_yielded", "_creation_rng", "_resume", "_hosted"})
 
 
 class LoaderHooks(Protocol):
@@ -48,6 +50,16 @@ class ResumableLoader:
         object.__setattr__(self, "_yielded", 0)
         object.__setattr__(self, "_creation_rng", None)
         object.__setattr__(self, "_resume", None)
+        object.__setattr__(self, "_hosted", None)
+
+    def host(self, ranks: tuple[int, ...], configured: int) -> None:
+        """Hand out, per step, the batches the configured world's ``ranks`` would get,
+        joined (the job shrank: :mod:`recovery.hosted_loader`)."""
+        why = hosted_loader.refusal(self._inner)
+        if why is not None:
+            raise RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, "
+                                     f"but {why}")
+        self._hosted = (tuple(ranks), configured)
 
     # -- transparency ------------------------------------------------------------------
     @property
@@ -64,6 +76,9 @@ class ResumableLoader:
             setattr(self._inner, name, value)
 
     def __len__(self) -> int:
+        if self._hosted is not None:  # the configured world's pass: as many steps
+            return len(hosted_loader.rank_loader(self._inner, self._hosted[0][0],
+                                                 self._hosted[1]))
         return len(self._inner)
 
     def __repr__(self) -> str:
@@ -99,6 +114,11 @@ class ResumableLoader:
             set_epoch = getattr(self._inner, "set_epoch", None)
             if callable(set_epoch) and getattr(self._inner, "sampler", None) is None:
                 set_epoch(self._hooks.current_epoch())  # loaders that own their sampling
+            if self._hosted is not None:
+                ranks, world = self._hosted
+                return hosted_loader.HostedIterator(
+                    [hosted_loader.rank_loader(self._inner, r, world) for r in ranks],
+                    skip, done)
             iterator = iter(self._inner)
             if done and not _stateful(self._inner):
                 skip(self._inner, iterator, done)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
-from recovery import ddp_layout, protocol
+from recovery import ddp_layout, hosted_loader, protocol, world, world_resize
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning import loop_state, replayed_saves
 from recovery.integrations.lightning.checkpoint_io import (
@@ -153,8 +153,13 @@ class CheckpointlessStrategy(DDPStrategy):
         from recovery.runtime import Checkpointless
 
         if self.session is None:
-            self.set_world_ranks()
             env = WorkerEnv.from_environ()
+            resized = int(os.environ.get(world.ENV_CONFIGURED_WORLD) or env.world_size)
+            if resized != env.world_size and env.world_size % self.num_processes == 0:
+                # The job shrank or grew (ADR 0035): whole nodes went, so the Trainer's
+                # devices still hold and its node count is the world's.
+                self.num_nodes = env.world_size // self.num_processes
+            self.set_world_ranks()
             if (env.world_size, env.rank) != (self.world_size, self.global_rank):
                 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -170,6 +175,8 @@ class CheckpointlessStrategy(DDPStrategy):
             )
             if self.lightning_module is not None:
                 self.session.faults.install(self.lightning_module, None)
+            # Lightning's job can change size when its training loaders split by rank
+            self.session.resize_refusal = self._resize_refusal
         if not self._started:
             self._started = True
             self.session.start(initial_snapshot=False)
@@ -314,8 +321,21 @@ class CheckpointlessStrategy(DDPStrategy):
                 or isinstance(dataloader, ResumableLoader)):
             return dataloader
         wrapped = ResumableLoader(dataloader, self)
+        session = self.session
+        if session is not None and session.world.resized:  # the ranks whose data it takes
+            wrapped.host(session.world.hosted(session.rank), session.configured)
         self._loaders.append(wrapped)
+        self._loader_refusal = next((why for loader in self._loaders if (
+            why := hosted_loader.refusal(loader.inner)) is not None), None)
+        if session is not None:
+            world_resize.publish_resizability(session)  # now that the loader is known
         return wrapped
+
+    def _resize_refusal(self) -> str | None:
+        """Why this job cannot change size (ADR 0035), or None: Lightning's DDP is data
+        parallel, so it is the training loaders that decide (as last seen: a failed
+        attempt's teardown drops them before the recovery asks)."""
+        return getattr(self, "_loader_refusal", "its training loader is not known yet")
 
     def current_epoch(self) -> int:
         return self.lightning_module.trainer.current_epoch
