@@ -170,10 +170,8 @@ class Checkpointless:
         self._initial_snapshot = initial_snapshot
         if self.env.replacement or self.gen > 0:
             # A process that ran its script again in a new world brings its snapshots.
-            carried = world_resize.take_carried()
+            carried = world_resize.take_carried(self)  # its engine now serves this state
             self.replicator = carried  # type: ignore[assignment]  # held() until rebuilt
-            if carried is not None:
-                carried.engine.rebind(self.state)
             fresh = carried is None
             self.restored_step = self._recover({"kind": FailureCause.REPLACEMENT},
                                                newcomer=fresh, declare=False)

@@ -61,6 +61,7 @@ class Carried:
     #: old world's snapshots and these replicas of the old ranks.
     old_replicas: Any = None
     moved_from: dict[str, int] = field(default_factory=dict)
+    dp_entries: set[str] = field(default_factory=set)  # the state's data-parallel entries
 
     @property
     def sharded(self) -> bool:
@@ -102,12 +103,13 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
         refuse_unless_resizable(runtime, new)
         moved = {"rank": runtime.rank, "world": runtime.world_size}
+        dp = set(runtime._dp_entries)
         if _sharded_entries(runtime):  # FSDP2: resharded from every old rank's copy
-            _carried = Carried(replicator.engine, runtime.store,
+            _carried = Carried(replicator.engine, runtime.store, dp_entries=dp,
                                old_replicas=replicator.replicas, moved_from=moved)
         else:
             _carried = Carried(replicator.engine, runtime.store, moved_from=moved,
-                               twins=_twins(runtime.world, new, runtime.slot))
+                               dp_entries=dp, twins=_twins(runtime.world, new, runtime.slot))
     raise WorldResized(new)
 
 
@@ -200,8 +202,10 @@ def why_not_resizable(runtime: Any) -> str | None:
     from recovery.reshard import sharding_refusal
 
     fsdp = _sharded_entries(runtime)
+    ddp = torch.nn.parallel.DistributedDataParallel
     other = [name for name, obj in runtime.state if isinstance(obj, torch.nn.Module)
-             and name not in runtime._dp_entries and name not in fsdp]
+             and not isinstance(obj, ddp) and name not in runtime._dp_entries
+             and name not in fsdp]
     if other:
         return (f"state {', '.join(map(repr, other))} is neither a data-parallel replica "
                 "(DDP, or a model passed to all_reduce_gradients) nor sharded by FSDP2")
@@ -293,11 +297,16 @@ def _weighted_sum(state, bucket):  # type: ignore[no-untyped-def]
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def take_carried() -> Carried | None:
-    """The engine a previous run of the script left (once), or None."""
+def take_carried(runtime: Any) -> Carried | None:
+    """What a previous run of the script in this process left (once), or None; its
+    engine is rebound to ``runtime``'s state, and the entries it knew to be
+    data-parallel stay known (a failure before this run's first step asks again)."""
     global _carried, _resharding
     carried, _carried = _carried, None
     _resharding = carried if carried is not None and carried.sharded else None
+    if carried is not None:
+        carried.engine.rebind(runtime.state)
+        runtime._dp_entries |= carried.dp_entries & {name for name, _ in runtime.state}
     return carried
 
 

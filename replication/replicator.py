@@ -163,8 +163,9 @@ class Replicator:
         ``durable_zero_copy``: a durable writer persists straight from the snapshot
         slots, so a new engine allocates three of them in shared memory (one may be held
         by the writer while the other two alternate), and no staging copy is counted.
-        ``twins``: ranks whose state is this rank's own (data-parallel ranks whose data
-        it took while the job was smaller): it serves its own snapshots as theirs."""
+        ``twins``: ranks whose state is this rank's own (data-parallel ranks, after the
+        job's world changed size): it serves its own snapshots as theirs until a step
+        commits (then they have replicas), across generations until then."""
         self.config = config or ReplicationConfig()
         if self.config.device != "cpu":  # the recipe validator refuses it with the key
             raise ValueError(f"replication.device={self.config.device!r}: snapshot buffers "
@@ -392,6 +393,7 @@ class Replicator:
         self._commit(meta.step)
         self.engine.protect(meta.step)
         self.replicas.protect(meta.step)
+        self.twins = frozenset()  # every copy of a step exists now: real replicas serve
         return RoundStats(
             meta.step, t_sealed - t0, t_moved - t_sealed, time.perf_counter() - t_moved,
             sent, received, skipped, overlapped,

@@ -28,11 +28,12 @@ SAMPLES, BATCH, EPOCHS = 384, 8, 2
 
 
 def _run(tmp: Path, *overrides: str, epochs: int = EPOCHS, sleep: float = 0.0, nnodes: int = 2,
-         **kw):
+         reduce: str = "ddp", **kw):
     out = tmp / "out"
     job = run_job(tmp / "run", nnodes=nnodes, timeout_s=200, script=SCRIPT,
                   script_args=("--out", str(out), "--epochs", str(epochs), "--sleep", str(sleep),
-                               "--batch", str(BATCH), "--samples", str(SAMPLES)),
+                               "--batch", str(BATCH), "--samples", str(SAMPLES),
+                               "--reduce", reduce),
                   overrides=list(overrides), **kw)
     return job, out
 
@@ -103,16 +104,17 @@ def _max_rel_dev(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("interval,fault_step", [("auto", 5), ("2", 17)],
-                         ids=["auto-interval-step5", "every2-step17"])
+@pytest.mark.parametrize("interval,fault_step,reduce", [("auto", 5, "ddp"), ("2", 17, "runtime")],
+                         ids=["ddp-auto-interval-step5", "all_reduce_gradients-every2-step17"])
 def test_a_lost_node_without_spare_shrinks_the_job(tmp_path, reference, interval,
-                                                  fault_step):
-    """Killed at step 5 under the default interval (the rollback goes to step 0), and at
-    step 17 with a snapshot every 2 steps (to step 14 or 16, whether 16 had committed:
-    mid-way through the second epoch, so the retired ranks' loaders resume mid-pass)."""
+                                                  fault_step, reduce):
+    """DDP killed at step 5 under the default interval (the rollback goes to step 0);
+    a plain model whose gradients ``cl.all_reduce_gradients`` averages killed at step 17
+    with a snapshot every 2 steps (to step 14 or 16, whether 16 had committed: mid-way
+    through the second epoch, so the retired ranks' loaders resume mid-pass)."""
     job, out = _run(tmp_path, "recovery.spare_wait_s=0.5",  # on_no_spare=shrink: the default
                     f"recovery.fault=2:{fault_step}:backward:node",
-                    f"replication.every_n_steps={interval}", *FAST)
+                    f"replication.every_n_steps={interval}", *FAST, reduce=reduce)
     assert job.returncodes[1] == -9, f"node 1's agent should be SIGKILLed: {job.returncodes}"
     assert_succeeded(job, except_nodes=(1,))
     shrunk = job.events("world_shrunk")
@@ -136,24 +138,31 @@ def test_a_lost_node_without_spare_shrinks_the_job(tmp_path, reference, interval
     assert dev < 1e-4, f"final weights deviate by {dev:.3e} from the failure-free run"
 
 
-def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, tmp_path_factory):
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory):
+    """The failure-free run of the growing tests: 4 epochs, long enough for a node to
+    join a shrunk job."""
+    return _reference(tmp_path_factory.mktemp("ref4"), 4)
+
+
+def _add_a_node_once_shrunk(run_dir: Path, start_spare_node) -> None:
+    wait_for(lambda: events(run_dir, "world_shrunk"), 60, "the job to shrink")
+    start_spare_node()
+
+
+def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, reference4):
     """The same loss, then a new node joins: the job grows back to 4 ranks at its next
     generation, the new node's ranks receiving their state from the ranks that took
     their data (their data-parallel twins), and the original split of the data resumes."""
     epochs = 4
-
-    def add_a_node(run_dir: Path, start_spare_node) -> None:
-        wait_for(lambda: events(run_dir, "world_shrunk"), 60, "the job to shrink")
-        start_spare_node()
-
     job, out = _run(tmp_path, "recovery.on_no_spare=shrink", "recovery.spare_wait_s=0.5",
                     "recovery.fault=2:5:backward:node", "replication.every_n_steps=2", *FAST,
-                    epochs=epochs, sleep=0.25, late_spare_nodes=1, during=add_a_node)
+                    epochs=epochs, sleep=0.25, late_spare_nodes=1,
+                    during=_add_a_node_once_shrunk)
     assert_succeeded(job, except_nodes=(1,))
     grown = job.events("world_grown")
     assert [(e["node"], e["ranks"], e["world"]) for e in grown] == [(2, [2, 3], [0, 1, 2, 3])]
-    sizes = _assert_same_samples(_steps(_reference(tmp_path_factory.mktemp("ref4"), epochs)),
-                                 _steps(out), epochs)
+    sizes = _assert_same_samples(_steps(reference4), _steps(out), epochs)
     assert _size_runs(sizes) == [4, 2, 4], f"world sizes step by step: {sizes}"
     newest = max(e["gen"] for e in job.events("recovery"))
     providers = {json.dumps(e["providers"], sort_keys=True)
@@ -162,6 +171,23 @@ def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, tmp_path_factory):
     finals = _finals(out)
     assert sorted(finals) == [0, 1, 2, 3], sorted(finals)
     assert all(f["weights"] == finals[0]["weights"] for f in finals.values())
+
+
+def test_a_node_lost_while_the_job_grows_shrinks_it_again(tmp_path, reference4):
+    """The node that joins a shrunk job dies (agent and workers) while its first rank
+    receives its state: the grow never completes, the job shrinks again to 2 ranks (the
+    survivors, which had run their script at 4 already, run it at 2 again) and
+    finishes, every step's samples the failure-free run's."""
+    job, out = _run(tmp_path, "recovery.fault=2:5:backward:node;2:1:recovery:node",
+                    "replication.every_n_steps=2", *FAST, epochs=4, sleep=0.25,
+                    late_spare_nodes=1, during=_add_a_node_once_shrunk)
+    assert_succeeded(job, except_nodes=(1, 2))
+    assert [e["lost_node"] for e in job.events("world_shrunk")] == [1, 2]
+    assert len(job.events("world_grown")) == 1
+    sizes = _assert_same_samples(_steps(reference4), _steps(out), 4)
+    assert _size_runs(sizes) == [4, 2], sizes  # no step completed at 4 in between
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1] and finals[0]["weights"] == finals[1]["weights"]
 
 
 def test_a_second_node_lost_after_a_shrink_shrinks_it_again(tmp_path, tmp_path_factory):

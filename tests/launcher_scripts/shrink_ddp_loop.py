@@ -6,7 +6,8 @@ and momentum. The only additions are the runtime's lines (the registration,
 ``cl.epochs``, ``cl.training_step``) and the test's record: every step appends, to a
 file per launch rank (opened in append mode, as a script that may run again must), the
 step, the generation, the rank and world size it ran at, and the sample indices of its
-batch. The final weights go to ``final_slot<launch rank>.json``.
+batch. The final weights go to ``final_slot<launch rank>.json``. ``--reduce runtime``
+averages a plain model's gradients with ``cl.all_reduce_gradients`` instead of DDP.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samples", type=int, default=384)
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slower steps)")
+    ap.add_argument("--reduce", choices=["ddp", "runtime"], default="ddp",
+                    help="DDP, or a plain model with cl.all_reduce_gradients")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -57,7 +60,9 @@ def main() -> None:
     dataset = Indexed(args.samples)
     sampler = DistributedSampler(dataset, shuffle=True, seed=3)
     data = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
-    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if args.reduce == "ddp":
+        model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     cl = Checkpointless(model=model, optimizer=opt, loader=data)
 
@@ -70,6 +75,8 @@ def main() -> None:
                 loss = nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()
                 loss.backward()
+                if args.reduce == "runtime":
+                    cl.all_reduce_gradients(model)
                 opt.step()
                 log.write(json.dumps({"step": step, "gen": cl.gen, "rank": rank,
                                       "world": world, "slot": cl.slot, "epoch": epoch,
