@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -42,9 +43,11 @@ from typing import Any
 import torch.distributed as dist
 
 from launcher import (
+    bind,
     job_store,
     liveness,
     membership,
+    peer_link,
     reaper,
     worker_output,
     zygote_start,
@@ -208,7 +211,8 @@ class Agent(NodeLossHandling, Endings):
                 f"replacement node with --node-rank >= {a.nnodes} to make it a spare node"
             )
         self.group = None if a.is_spare_node else self.node
-        membership.register(self.store, self.node, a.nproc, spare=a.is_spare_node)
+        membership.register(self.store, self.node, a.nproc, spare=a.is_spare_node,
+                            link=self._open_link())
         etcd = self.job_store.address.is_etcd
         self.heartbeat = liveness.Heartbeat(
             self.job_store.address, self.node, self.rcfg.heartbeat_interval_s,
@@ -230,6 +234,25 @@ class Agent(NodeLossHandling, Endings):
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {where}, "
                   f"run dir {self.run_dir})")
         self._log(f"listening on {self.job_store.plan.describe}")
+
+    def _open_link(self) -> str | None:
+        """Listen for the watchers' connections (:mod:`launcher.peer_link`) on the
+        address the job listens on; returns ``host:port`` as peers reach it."""
+        plan = self.job_store.plan
+        host = plan.address
+        if host is None:
+            h, p = self.job_store.address.endpoints[0]
+            host = bind.route_source(h, p) or socket.gethostname()
+        try:
+            self._link_listener = peer_link.LinkListener(plan.address)
+        except OSError as exc:  # the heartbeat timeout still detects losses
+            self._log(f"cannot listen for peer links ({exc}); node losses are detected by "
+                      "the heartbeat timeout only")
+            return None
+        self.watch.links = peer_link.PeerLinks()
+        self.watch.link_confirm_s = 2 * self.rcfg.heartbeat_interval_s
+        return f"[{host}]:{self._link_listener.port}" if ":" in host else \
+            f"{host}:{self._link_listener.port}"
 
     def _on_isolated(self, stuck_s: float) -> None:
         """Called from the :class:`liveness.StoreLease` thread: this agent's heartbeat

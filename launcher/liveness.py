@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from launcher.job_store import OP_TIMEOUT_S, StoreUnavailable, connect_store
-from launcher.membership import reassert_owner, registered_nodes
+from launcher.membership import agent_info, reassert_owner, registered_nodes
+from launcher.peer_link import PeerLinks
 from recovery import auth, protocol, store_address, world
 from recovery.store_address import StoreAddress
 from replication import signing
@@ -271,6 +272,11 @@ class PeerWatch:
     #: counter has also not grown for this long (a forged delete cannot pass for a loss:
     #: a live peer's counter keeps growing). 0: no leases, the timeout alone decides.
     lease_confirm_s: float = 0.0
+    #: A watched peer whose connection (:mod:`launcher.peer_link`) ended is lost once
+    #: its counter has also not grown for this long, unless its agent said it finished.
+    #: None: no connections, the timeout alone decides.
+    links: PeerLinks | None = None
+    link_confirm_s: float = 2.0
     watchers: int = WATCHERS
     peers: dict[int, _Peer] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
@@ -282,6 +288,9 @@ class PeerWatch:
     _version: bytes | None = None
     _checks_since_refresh: int = 0
     _entries_seen: set[bytes] = field(default_factory=set)
+    _link_of: dict[int, str] = field(default_factory=dict)
+    #: Lost nodes whose connection ended before their heartbeat timed out.
+    link_ended: set[int] = field(default_factory=set)
 
     def check(self, store: dist.Store, gen: int, publish: bool = True) -> list[int]:
         """Read the watched peers' heartbeats (and, when they changed, the published
@@ -317,9 +326,10 @@ class PeerWatch:
         alive = [protocol.agent_lease_key(n) for n in nodes] if self.lease_confirm_s else []
         # Lease-bound records vanish on expiry: read without waiting for them.
         present = store.read_now(alive) if alive else []  # type: ignore[attr-defined]
+        ended = self._links_ended(store, nodes)
         detected = [n for i, n in enumerate(nodes)
                     if self._observe(n, keys[i], values[i], present[i] if alive else b"",
-                                     now, gen)]
+                                     now, gen, ended.get(n))]
         if detected:
             if publish:
                 self._entries_seen.update(protocol.publish_losses(store, [
@@ -329,8 +339,25 @@ class PeerWatch:
             self._rewatch(now, gen)  # the takeover of the watch
         return sorted(newly + detected)
 
+    def _links_ended(self, store: dist.Store, nodes: list[int]) -> dict[int, float]:
+        """Hold a connection to each watched node (addresses from their sealed membership
+        records); return when those that ended did, for nodes whose agent did not say it
+        finished (an agent that finished closes its connections too)."""
+        if self.links is None:
+            return {}
+        addresses = {}
+        for n in nodes:
+            info = agent_info(store, n) if n not in self._link_of else None
+            if info is not None and info.get("link"):
+                self._link_of[n] = str(info["link"])
+            if n in self._link_of:
+                addresses[n] = self._link_of[n]
+        self.links.watch(addresses)
+        ended = {n: t for n in nodes if (t := self.links.closed_at(n)) is not None}
+        return {n: t for n, t in ended.items() if not protocol.agent_finished(store, n)}
+
     def _observe(self, n: int, key: str, raw: bytes, alive_record: bytes | None,
-                 now: float, gen: int) -> bool:
+                 now: float, gen: int, link_ended: float | None = None) -> bool:
         """Take one watched peer's heartbeat in; True if it is lost just now."""
         payload = auth.open_value(key, raw)
         seq = int(payload) if payload is not None else None
@@ -343,8 +370,13 @@ class PeerWatch:
         if now - peer.changed_at > self.timeout_s or (
             alive_record is None and peer.seq >= 0
             and now - peer.changed_at > self.lease_confirm_s
+        ) or (
+            link_ended is not None and now - max(link_ended, peer.changed_at)
+            > self.link_confirm_s
         ):
             self.lost.add(n)
+            if link_ended is not None and now - peer.changed_at <= self.timeout_s:
+                self.link_ended.add(n)  # the evidence was its connection's end
             return True
         return False
 

@@ -31,14 +31,15 @@ from recovery import auth, protocol
 from replication import signing
 
 
-def register(store: dist.Store, node: int, nproc: int, spare: bool) -> None:
+def register(store: dist.Store, node: int, nproc: int, spare: bool,
+             link: str | None = None) -> None:
     """Publish this agent; its heartbeat key exists before anyone can list it.
 
     The agents list is an append-only string of sealed entries between commas, so a
     forged or garbled entry (or a forger's unterminated text) spoils nothing but itself.
     """
     info = {"node": node, "host": socket.gethostname(), "pid": os.getpid(),
-            "nproc": nproc, "spare": spare}
+            "nproc": nproc, "spare": spare, "link": link}  # link: launcher.peer_link
     auth.put(store, protocol.agent_info_key(node), json.dumps(info))
     auth.put(store, protocol.agent_heartbeat_key(node), "0")
     entry = signing.process_signer().seal(protocol.AGENTS_KEY, str(node))

@@ -93,7 +93,9 @@ class NodeLossHandling:
                        silent_s=round(silent, 3), detected_by=by)
             held = f"ranks {ranks}" if ranks else "its ranks already run on another node"
             seen = "" if by == self.node else f", as node {by} published"
-            self._log(f"node {lost} lost (no heartbeat for {silent:.1f}s{seen}; {held})")
+            closed = "its agent's connection closed, " if lost in self.watch.link_ended else ""
+            self._log(f"node {lost} lost ({closed}no heartbeat for {silent:.1f}s{seen}; "
+                      f"{held})")
             observed = protocol.generation_of_node(self.store, ranks, lost,
                                                    self.watch.gen_alive(lost, gen))
             for g in groups:

@@ -235,7 +235,10 @@ def test_a_quorum_loss_longer_than_the_patience_stops_the_job_with_one_line(tmp_
     try:
         job = run_job(tmp_path / "run", nnodes=2, timeout_s=120,
                       etcd=",".join(cluster.endpoints), during=outage,
-                      overrides=["recovery.store_outage_s=4"])
+                      overrides=["recovery.store_outage_s=4"],
+                      # slow steps: the job must still train when quorum goes at 4 s (an
+                      # idle host finished the 16 steps in 2.5 s, before the outage)
+                      script_args=(*TRAIN_ARGS, "--step-sleep", "0.4"))
     finally:
         for i in (1, 2):
             cluster.start(i)
