@@ -15,10 +15,12 @@ Figures:
 
 - ``shrink_over_elastic_restart``: the seconds from the kill to the first step completed
   at the smaller size, checkpointless over torchrun (target <= 0.2). Both sides at their
-  defaults in full mode (checkpointless: ``recovery.heartbeat_timeout_s`` 15 s to declare
-  the node lost, then ``recovery.spare_wait_s`` 5 s for a spare; torchrun: the
-  rendezvous' 30 s last call for more nodes). ``--quick`` shortens both (3 s + 1 s
-  against a 3 s last call); each side's detection is also reported on its own.
+  defaults in full mode (checkpointless: a killed node is declared lost two heartbeat
+  intervals after its agent's connections close, ``launcher/peer_link.py``, and a job
+  with no spare node shrinks at once; torchrun: the rendezvous' 30 s last call for more
+  nodes). ``--quick`` shortens both (a 0.5 s interval against a 3 s last call); the
+  detection is also reported on its own. A partitioned node (no connection closes) would
+  take the heartbeat timeout: not measured here.
 - ``throughput_after_shrink_over_ideal``: samples per second at 1 rank after the shrink,
   over half the failure-free 2-rank rate (target >= 0.9).
 - ``samples_lost`` and ``samples_repeated``: each step's global samples (from the newest
