@@ -146,7 +146,10 @@ def _assert_bound(found: set, agent_pids: list[int], address: str) -> None:
     assert found, "no listener found at all"
     store = [f for f in found if f[0] == agent_pids[0]]
     workers = [f for f in found if f[0] not in agent_pids]
-    assert len(store) == 1, f"expected the job store in node 0's agent: {sorted(found)}"
+    # node 0's agent: the job store, and the socket its watchers hold connections to
+    # (launcher/peer_link.py); every other agent: that socket only
+    assert len(store) == 2, f"expected the job store and a peer link in node 0: {sorted(found)}"
+    assert all(len([f for f in found if f[0] == pid]) == 1 for pid in agent_pids[1:]), found
     # each worker: a gloo training group and a gloo replication side channel
     assert len({pid for pid, _, _ in workers}) == 2 and len(workers) >= 4, sorted(found)
     bad = sorted(f for f in found if f[1] != address)
