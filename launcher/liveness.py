@@ -354,6 +354,9 @@ class PeerWatch:
                 addresses[n] = self._link_of[n]
         self.links.watch(addresses)
         ended = {n: t for n in nodes if (t := self.links.closed_at(n)) is not None}
+        for n in [n for n, t in ended.items() if self.peers[n].changed_at > t]:
+            self.links.reconnect(n)  # it beat after its connection ended: alive, link again
+            del ended[n]
         return {n: t for n, t in ended.items() if not protocol.agent_finished(store, n)}
 
     def _observe(self, n: int, key: str, raw: bytes, alive_record: bytes | None,

@@ -28,6 +28,9 @@ import threading
 import time
 
 CONNECT_TIMEOUT_S = 2.0
+#: Connections a listener holds at most (a watcher holds one; a stranger opening many
+#: only pushes the oldest out, which its watcher sees end and then reconnects).
+MAX_HELD = 64
 
 
 class LinkListener:
@@ -50,6 +53,8 @@ class LinkListener:
             except OSError:
                 return
             self._held.append(conn)  # never read: its end is the only message
+            if len(self._held) > MAX_HELD:
+                self._held.pop(0).close()
 
 
 class PeerLinks:
@@ -73,6 +78,12 @@ class PeerLinks:
                     self._epoch[n] = next(self._attempts)
                     threading.Thread(target=self._hold, args=(n, address, self._epoch[n]),
                                      name=f"checkpointless-link-{n}", daemon=True).start()
+
+    def reconnect(self, node: int) -> None:
+        """Forget ``node``'s ended connection (its peer is alive: it beat since); the next
+        :meth:`watch` opens a new one."""
+        with self._lock:
+            self._drop(node)
 
     def closed_at(self, node: int) -> float | None:
         """When the connection to ``node`` ended (monotonic), or None while it holds."""

@@ -60,3 +60,20 @@ def test_nothing_listening_is_a_dead_peer_and_unwatched_nodes_are_forgotten():
     assert _wait_closed(links, 1, 0.5) is None
     links.watch({1: f"127.0.0.1:{port}"})  # 2 leaves the watch: its record goes
     assert links.closed_at(2) is None
+
+
+def test_a_link_that_ended_while_its_peer_lives_is_opened_again():
+    """A connection pushed out (a stranger opening many) ends, but its peer lives:
+    ``reconnect`` forgets the end and the next watch holds a new connection."""
+    listener = LinkListener("127.0.0.1")
+    links = PeerLinks()
+    address = {1: f"127.0.0.1:{listener.port}"}
+    links.watch(address)
+    time.sleep(0.2)
+    for conn in list(listener._held):
+        conn.close()
+    assert _wait_closed(links, 1, 2.0) is not None
+    links.reconnect(1)
+    links.watch(address)
+    time.sleep(0.3)
+    assert links.closed_at(1) is None and len(listener._held) >= 1
