@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,7 @@ class Carried:
 
 _carried: Carried | None = None
 _resharding: Carried | None = None  # taken by the new runtime, resharded in its handover
+_announce = False  # a world was just entered: after_restore says so once
 
 
 def leave(runtime: Any, new: world.World, gen: int) -> None:
@@ -263,6 +265,25 @@ def gradient_weight(runtime: Any) -> float | None:
     return len(w.hosted(runtime.rank)) / w.configured
 
 
+def after_restore(runtime: Any, target: int) -> int:
+    """After every restore: weigh gradients for an uneven split
+    (:func:`weight_gradients`; returns how many DDPs), and, on rank 0 of a world just
+    entered, say on the console at what size the job trains and how many copies of each
+    state exist again (the handover placed the replicas for this world)."""
+    global _announce
+    hooked = weight_gradients(runtime)
+    if _announce and runtime.rank == 0 and runtime.replicator is not None:
+        rep, w = runtime.replicator, runtime.world
+        spread = len(set(rep.node_of_rank)) >= rep.factor
+        where = ("on other nodes" if spread
+                 else "not all on other nodes: a node loss is not survived")
+        print(f"checkpointless: training at {w.size} of {w.configured} ranks (launch ranks "
+              f"{list(w.slots)}) from step {target}; {rep.factor} copies of every state "
+              f"again, {where}", file=sys.stderr, flush=True)
+    _announce = False
+    return hooked
+
+
 def weight_gradients(runtime: Any) -> int:
     """Give every DDP of this process a comm hook that weighs this rank's gradients by
     :func:`gradient_weight` before their sum (DDP's own averages by the world size);
@@ -301,9 +322,10 @@ def take_carried(runtime: Any) -> Carried | None:
     """What a previous run of the script in this process left (once), or None; its
     engine is rebound to ``runtime``'s state, and the entries it knew to be
     data-parallel stay known (a failure before this run's first step asks again)."""
-    global _carried, _resharding
+    global _carried, _resharding, _announce
     carried, _carried = _carried, None
     _resharding = carried if carried is not None and carried.sharded else None
+    _announce = carried is not None
     if carried is not None:
         carried.engine.rebind(runtime.state)
         runtime._dp_entries |= carried.dp_entries & {name for name, _ in runtime.state}

@@ -164,6 +164,9 @@ def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, reference4):
     assert [(e["node"], e["ranks"], e["world"]) for e in grown] == [(2, [2, 3], [0, 1, 2, 3])]
     sizes = _assert_same_samples(_steps(reference4), _steps(out), epochs)
     assert _size_runs(sizes) == [4, 2, 4], f"world sizes step by step: {sizes}"
+    said = job.agents[0].stderr
+    assert "training at 2 of 4 ranks" in said and "a node loss is not survived" in said
+    assert "training at 4 of 4 ranks" in said and "again, on other nodes" in said
     newest = max(e["gen"] for e in job.events("recovery"))
     providers = {json.dumps(e["providers"], sort_keys=True)
                  for e in job.events("recovery") if e["gen"] == newest}
