@@ -44,16 +44,58 @@ def is_sharded(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def sharding_refusal(module: torch.nn.Module) -> str | None:
-    """Why ``module``'s sharded parameters cannot be resharded here, or None."""
+def layout_of(module: torch.nn.Module) -> str | None:
+    """``"fsdp"`` (1-D ``Shard(0)``), ``"hsdp"`` (``Replicate`` x ``Shard(0)``), None
+    for a module without sharded parameters; ValueError (the reason) for any other."""
+    kinds = set()
     for name, p in module.named_parameters():
         if not is_sharded(p):
             continue
         placements = tuple(type(pl).__name__ for pl in p.placements)
-        if p.device_mesh.ndim != 1 or placements != ("Shard",) or p.placements[0].dim != 0:
-            return (f"parameter {name!r} is laid out as {placements} over a "
-                    f"{p.device_mesh.ndim}-D mesh; only 1-D FSDP2 (Shard(0)) is resharded")
+        if placements == ("Shard",) and p.placements[0].dim == 0:
+            kinds.add("fsdp")
+        elif placements == ("Replicate", "Shard") and p.placements[1].dim == 0:
+            kinds.add("hsdp")
+        else:
+            raise ValueError(f"parameter {name!r} is laid out as {placements} over a "
+                             f"{p.device_mesh.ndim}-D mesh; only FSDP2's Shard(0), and HSDP "
+                             "(Replicate x Shard(0)), change world size")
+    if len(kinds) > 1:
+        raise ValueError("its parameters mix FSDP2 and HSDP layouts")
+    return kinds.pop() if kinds else None
+
+
+def sharding_refusal(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s sharded parameters cannot change world size, or None."""
+    try:
+        layout_of(module)
+    except ValueError as exc:
+        return str(exc)
     return None
+
+
+def same_local_shapes(state: Any, own: dict[str, Any]) -> bool:
+    """Whether this rank's old shards have the shapes of the new objects' local shards:
+    then the rank's own state restores as it is (HSDP losing a replica group: the shard
+    size is unchanged), and nothing is resharded."""
+    for name, obj in state:
+        if name not in own:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            for key, dst in obj.state_dict().items():
+                if is_sharded(dst) and tuple(own[name][key].shape) != tuple(
+                        dst.to_local().shape):
+                    return False
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            for pid, entry in own[name].get("state", {}).items():
+                p = params[pid]
+                for value in entry.values():
+                    if is_sharded(p) and isinstance(value, torch.Tensor) and \
+                            value.ndim == p.ndim and tuple(value.shape) != tuple(
+                                p.to_local().shape):
+                        return False
+    return True
 
 
 def _decode(buffer: torch.Tensor, meta: Any) -> dict[str, Any]:

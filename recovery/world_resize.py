@@ -63,6 +63,7 @@ class Carried:
     old_replicas: Any = None
     moved_from: dict[str, int] = field(default_factory=dict)
     dp_entries: set[str] = field(default_factory=set)  # the state's data-parallel entries
+    layout: str | None = None  # of a sharded state: "fsdp" or "hsdp" (recovery.reshard)
 
     @property
     def sharded(self) -> bool:
@@ -106,9 +107,13 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
         refuse_unless_resizable(runtime, new)
         moved = {"rank": runtime.rank, "world": runtime.world_size}
         dp = set(runtime._dp_entries)
-        if _sharded_entries(runtime):  # FSDP2: resharded from every old rank's copy
+        if (sharded := _sharded_entries(runtime)):  # FSDP2: resharded from every copy
+            from recovery.reshard import layout_of
+
+            layout = layout_of(dict(iter(runtime.state))[sharded[0]])
             _carried = Carried(replicator.engine, runtime.store, dp_entries=dp,
-                               old_replicas=replicator.replicas, moved_from=moved)
+                               old_replicas=replicator.replicas, moved_from=moved,
+                               layout=layout)
         else:
             _carried = Carried(replicator.engine, runtime.store, moved_from=moved,
                                dp_entries=dp, twins=_twins(runtime.world, new, runtime.slot))
@@ -128,6 +133,12 @@ def reshard(runtime: Any, target: int) -> int | None:
 
     old_rank, old_world = carried.moved_from["rank"], carried.moved_from["world"]
     held = resharding.held_states(carried.engine, carried.old_replicas, old_rank, target)
+    if resharding.same_local_shapes(runtime.state, held[old_rank]):
+        return None  # HSDP without a replica group: each rank's own shards, as they are
+    if carried.layout != "fsdp":
+        raise RecoveryImpossible(
+            f"the job's world changed size, and its {carried.layout} shards would need "
+            "resharding to another shard size, which is built for 1-D FSDP2 only")
     states, received = resharding.resharded_states(runtime.state, held, old_rank, old_world,
                                                    runtime.rank, runtime.world_size)
     del held

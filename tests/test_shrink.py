@@ -250,30 +250,38 @@ def test_on_no_spare_stop_keeps_the_job_from_shrinking(tmp_path):
 FSDP2_SCRIPT = "tests/launcher_scripts/shrink_fsdp2_loop.py"
 
 
-def _run_fsdp2(tmp: Path, *overrides: str):
+def _run_fsdp2(tmp: Path, *overrides: str, mesh: str = "1d"):
     out = tmp / "out"
     job = run_job(tmp / "run", nnodes=2, timeout_s=200, script=FSDP2_SCRIPT,
                   script_args=("--out", str(out), "--epochs", str(EPOCHS), "--batch",
-                               str(BATCH), "--samples", str(SAMPLES)),
+                               str(BATCH), "--samples", str(SAMPLES), "--mesh", mesh),
                   overrides=list(overrides))
     return job, out
 
 
-def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("mesh", ["1d", "hsdp"])
+def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_factory, mesh):
     """FSDP2 over 4 ranks (layers of 13, 7 and 1 rows: unequal and empty shards), node 1
     lost: the survivors reshard every parameter and Adam state from 4 to 2 shards, from
-    their own shards and their replicas of ranks 2 and 3. The full state the first step
-    after the shrink starts from equals, bit for bit, the one the failure-free run's same
-    step starts from; every step's samples are the failure-free run's."""
-    ref_job, ref = _run_fsdp2(tmp_path_factory.mktemp("fsdp2_reference"))
+    their own shards and their replicas of ranks 2 and 3. HSDP (2 replica groups x 2
+    shards, one group per node): the loss drops a replica group, and each survivor's
+    own shards are already those of the 2-rank mesh (nothing resharded). Either way the
+    full state the first step after the shrink starts from equals, bit for bit, the one
+    the failure-free run's same step starts from; every step's samples are the
+    failure-free run's."""
+    ref_job, ref = _run_fsdp2(tmp_path_factory.mktemp(f"fsdp2_reference_{mesh}"), mesh=mesh)
     assert_succeeded(ref_job)
     job, out = _run_fsdp2(tmp_path, "replication.every_n_steps=2",
-                          "recovery.fault=2:9:backward:node", *FAST)
+                          "recovery.fault=2:9:backward:node", *FAST, mesh=mesh)
     assert_succeeded(job, except_nodes=(1,))
     assert [e["world"] for e in job.events("world_shrunk")] == [[0, 1]]
     resharded = [e for e in job.events("world_resized") if "resharded_step" in e]
-    assert sorted(e["rank"] for e in resharded) == [0, 1], resharded
-    target = resharded[0]["resharded_step"]
+    if mesh == "1d":
+        assert sorted(e["rank"] for e in resharded) == [0, 1], resharded
+    else:
+        assert not resharded, resharded
+    target = next(e["target_step"] for e in job.events("recovery")
+                  if e["gen"] == max(f["gen"] for f in job.events("recovery")))
     assert target in (6, 8), target
     got, want = _steps(out), _steps(ref)
     sizes = _assert_same_samples(want, got, EPOCHS)

@@ -1,7 +1,8 @@
 """An FSDP2 loop as the PyTorch tutorials write it, recording what each step trained on
 and, at each step's start, a digest of the full (unsharded) parameters and Adam state.
 
-``fully_shard`` on each block and on the root over the default 1-D mesh, AdamW, a
+``fully_shard`` on each block and on the root over the default 1-D mesh (``--mesh
+hsdp``: replicate x shard, one replica group per node of 2), AdamW, a
 ``DataLoader`` over a ``DistributedSampler``, ``for x, y, index in data``. Every step
 appends to a file per launch rank (append mode: a script that may run again must): the
 step, the generation, the world size, the sample indices and the digest of the state the
@@ -18,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samples", type=int, default=384)
     ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--mesh", choices=["1d", "hsdp"], default="1d",
+                    help="hsdp: replicate x shard, one replica group per node of 2")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -65,10 +69,13 @@ def main() -> None:
     # rows not divisible by every world size: shards of unequal and empty sizes
     model = nn.Sequential(nn.Linear(args.dim, 13), nn.Tanh(), nn.Linear(13, 7), nn.Tanh(),
                           nn.Linear(7, 1))
+    mesh = None
+    if args.mesh == "hsdp" and world > 2:  # at 2 ranks (one group left): 1-D
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     dataset = Indexed(args.samples, args.dim)
     sampler = DistributedSampler(dataset, shuffle=True, seed=3)
