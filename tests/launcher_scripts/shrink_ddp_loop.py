@@ -21,24 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from recovery import Checkpointless
-
-
-class Indexed(Dataset):
-    """Generated regression samples, each carrying its own index."""
-
-    def __init__(self, n: int, dim: int = 8, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, dim, generator=g)
-        self.y = self.x @ torch.randn(dim, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+from tests.launcher_scripts.indexed_data import Indexed
 
 
 def main() -> None:

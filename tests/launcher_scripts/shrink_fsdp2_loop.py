@@ -21,22 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from recovery import Checkpointless
-
-
-class Indexed(Dataset):
-    def __init__(self, n: int, dim: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, dim, generator=g)
-        self.y = self.x @ torch.randn(dim, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+from tests.launcher_scripts.indexed_data import Indexed
 
 
 def full_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:

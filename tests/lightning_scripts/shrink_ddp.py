@@ -17,20 +17,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-
-class Indexed(Dataset):
-    def __init__(self, n: int, dim: int = 8) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, dim, generator=g)
-        self.y = self.x @ torch.randn(dim, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+from tests.launcher_scripts.indexed_data import Indexed
 
 
 class Regression(pl.LightningModule):
