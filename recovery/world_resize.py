@@ -129,11 +129,17 @@ def reshard(runtime: Any, target: int) -> int | None:
     carried, _resharding = _resharding, None
     if carried is None:
         return None
+    import torch
+
     from recovery import reshard as resharding
 
     old_rank, old_world = carried.moved_from["rank"], carried.moved_from["world"]
     held = resharding.held_states(carried.engine, carried.old_replicas, old_rank, target)
-    if resharding.same_local_shapes(runtime.state, held[old_rank]):
+    # Every rank must take the same path (the resharding is collective): one all-reduce.
+    differs = torch.tensor([0 if resharding.same_local_shapes(runtime.state, held[old_rank])
+                            else 1])
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if not int(differs):
         return None  # HSDP without a replica group: each rank's own shards, as they are
     if carried.layout != "fsdp":
         raise RecoveryImpossible(
