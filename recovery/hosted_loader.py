@@ -91,3 +91,28 @@ class HostedIterator:
 
     def __next__(self) -> Any:
         return concat([next(it) for it in self._its])
+
+
+class Hosting:
+    """A tracked loader's part in a shrunk world: the configured ranks whose batches it
+    hands out, joined. Used alike by the runtime's tracked loaders
+    (:class:`recovery.loader_position.LoaderPosition`) and Lightning's
+    (:class:`recovery.integrations.lightning.data.ResumableLoader`)."""
+
+    def __init__(self, loader: Any, ranks: tuple[int, ...], configured: int,
+                 why_not: str | None = None) -> None:
+        """Raises :class:`RecoveryImpossible` with ``why_not`` (the caller's own reason)
+        or :func:`refusal`'s, in one line, if ``loader`` cannot."""
+        why = why_not or refusal(loader)
+        if why is not None:
+            raise RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, "
+                                     f"but {why}")
+        self.ranks, self.configured = tuple(ranks), configured
+        # a pass has as many steps as the configured world's (the sampler pads the ranks
+        # to one count): measured once, not at every step's end
+        self.length = len(rank_loader(loader, self.ranks[0], configured))
+
+    def open(self, loader: Any, skip: Any, done: int) -> HostedIterator:
+        """A pass over every hosted rank's loader, ``done`` batches in."""
+        return HostedIterator([rank_loader(loader, r, self.configured) for r in self.ranks],
+                              skip, done)

@@ -121,16 +121,13 @@ class LoaderPosition:
         self.creation_rng: torch.Tensor | None = None
         self.generation = 0  # bumped by every restore: older iterators re-open
         self._resume: dict[str, Any] | None = None
-        self.hosted: tuple[tuple[int, ...], int] | None = None  # see host()
+        self.hosted: hosted_loader.Hosting | None = None  # see host()
 
     def host(self, ranks: tuple[int, ...], configured: int) -> None:
         """Hand out, per step, the batches the configured world's ``ranks`` would get,
         joined into one (the job shrank: :mod:`recovery.hosted_loader`)."""
-        why = self.split_refusal()
-        if why is not None:
-            raise RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, "
-                                     f"but {why}")
-        self.hosted = (tuple(ranks), configured)
+        self.hosted = hosted_loader.Hosting(self.loader, ranks, configured,
+                                            why_not=self.split_refusal())
 
     def split_refusal(self) -> str | None:
         """Why this loader cannot hand out other ranks' batches, or None if it can."""
@@ -178,10 +175,8 @@ class LoaderPosition:
         """Whether the current pass has handed out its last batch (False when the loader
         has no length: an ``IterableDataset`` without ``__len__``)."""
         try:
-            if self.hosted is not None:
-                return self.yielded >= len(hosted_loader.rank_loader(
-                    self.loader, self.hosted[0][0], self.hosted[1]))
-            return self.yielded >= len(self.loader)
+            length = self.hosted.length if self.hosted is not None else len(self.loader)
+            return self.yielded >= length
         except TypeError:
             return False
 
@@ -198,10 +193,7 @@ class LoaderPosition:
 
         def create() -> Iterator[Any]:
             if self.hosted is not None:
-                ranks, world = self.hosted
-                return hosted_loader.HostedIterator(
-                    [hosted_loader.rank_loader(self.loader, r, world) for r in ranks],
-                    skip, done)
+                return self.hosted.open(self.loader, skip, done)
             iterator = self.base.__iter__(self.loader)
             if done:
                 skip(self.loader, iterator, done)

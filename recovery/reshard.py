@@ -105,13 +105,20 @@ def _decode(buffer: torch.Tensor, meta: Any) -> dict[str, Any]:
             for seg in meta.layout.segments}
 
 
-def held_states(engine: Any, replicas: Any, own: int, step: int) -> dict[int, dict[str, Any]]:
-    """The old ranks' states this rank holds at ``step``: its own, and its replicas
-    (a replica's segments shared with the own snapshot come from it)."""
+def own_state(engine: Any, step: int) -> dict[str, Any]:
+    """This rank's own old state at ``step``, decoded and verified."""
     mine = engine.slot_for(step)
-    held = {own: _decode(mine.buffer, mine.meta())}
-    for src, steps in (replicas.held_steps() if replicas is not None else {}).items():
-        if step not in steps or src in held:
+    return _decode(mine.buffer, mine.meta())
+
+
+def replica_states(engine: Any, replicas: Any, own: int,
+                   step: int) -> dict[int, dict[str, Any]]:
+    """The old ranks' states this rank holds replicas of at ``step`` (a replica's
+    segments shared with the own snapshot come from it), decoded and verified."""
+    mine = engine.slot_for(step)
+    held = {}
+    for src, steps in replicas.held_steps().items():
+        if step not in steps or src == own:
             continue
         rslot = replicas.get(src, step)
         buffer = rslot.buffer.clone()

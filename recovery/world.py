@@ -21,6 +21,7 @@ training rank in the current world as ``RANK``/``WORLD_SIZE``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -61,9 +62,19 @@ class World:
     def size(self) -> int:
         return len(self.slots)
 
-    @property
-    def resized(self) -> bool:
+    @functools.cached_property
+    def resized(self) -> bool:  # cached: a step (all_reduce_gradients) asks
         return self.slots != tuple(range(self.configured))
+
+    @functools.cached_property
+    def hosted_counts(self) -> tuple[int, ...]:
+        """How many configured ranks' batches each training rank takes."""
+        return tuple(len(self.hosted(r)) for r in range(self.size))
+
+    @functools.cached_property
+    def uneven(self) -> bool:
+        """Whether ranks take different numbers of configured ranks' batches."""
+        return len(set(self.hosted_counts)) > 1
 
     @property
     def retired(self) -> tuple[int, ...]:

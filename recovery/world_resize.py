@@ -61,7 +61,8 @@ class Carried:
     #: A sharded (FSDP2) state is resharded instead (:mod:`recovery.reshard`), from the
     #: old world's snapshots and these replicas of the old ranks.
     old_replicas: Any = None
-    moved_from: dict[str, int] = field(default_factory=dict)
+    old_rank: int = 0  # this process's rank and world size in the world it left
+    old_world: int = 1
     dp_entries: set[str] = field(default_factory=set)  # the state's data-parallel entries
     layout: str | None = None  # of a sharded state: "fsdp" or "hsdp" (recovery.reshard)
 
@@ -105,17 +106,17 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
         runtime.durable.writer.close()
     if replicator is not None:  # else nothing held yet: it joins as a newcomer would
         refuse_unless_resizable(runtime, new)
-        moved = {"rank": runtime.rank, "world": runtime.world_size}
+        moved = {"old_rank": runtime.rank, "old_world": runtime.world_size}
         dp = set(runtime._dp_entries)
         if (sharded := _sharded_entries(runtime)):  # FSDP2: resharded from every copy
             from recovery.reshard import layout_of
 
             layout = layout_of(dict(iter(runtime.state))[sharded[0]])
             _carried = Carried(replicator.engine, runtime.store, dp_entries=dp,
-                               old_replicas=replicator.replicas, moved_from=moved,
+                               old_replicas=replicator.replicas, **moved,
                                layout=layout)
         else:
-            _carried = Carried(replicator.engine, runtime.store, moved_from=moved,
+            _carried = Carried(replicator.engine, runtime.store, **moved,
                                dp_entries=dp, twins=_twins(runtime.world, new, runtime.slot))
     raise WorldResized(new)
 
@@ -133,11 +134,10 @@ def reshard(runtime: Any, target: int) -> int | None:
 
     from recovery import reshard as resharding
 
-    old_rank, old_world = carried.moved_from["rank"], carried.moved_from["world"]
-    held = resharding.held_states(carried.engine, carried.old_replicas, old_rank, target)
+    old_rank, old_world = carried.old_rank, carried.old_world
+    own = resharding.own_state(carried.engine, target)
     # Every rank must take the same path (the resharding is collective): one all-reduce.
-    differs = torch.tensor([0 if resharding.same_local_shapes(runtime.state, held[old_rank])
-                            else 1])
+    differs = torch.tensor([0 if resharding.same_local_shapes(runtime.state, own) else 1])
     dist.all_reduce(differs, op=dist.ReduceOp.MAX)
     if not int(differs):
         return None  # HSDP without a replica group: each rank's own shards, as they are
@@ -145,9 +145,11 @@ def reshard(runtime: Any, target: int) -> int | None:
         raise RecoveryImpossible(
             f"the job's world changed size, and its {carried.layout} shards would need "
             "resharding to another shard size, which is built for 1-D FSDP2 only")
+    held = {old_rank: own, **resharding.replica_states(carried.engine, carried.old_replicas,
+                                                       old_rank, target)}
     states, received = resharding.resharded_states(runtime.state, held, old_rank, old_world,
                                                    runtime.rank, runtime.world_size)
-    del held
+    del held, own
     carried.engine.forget()  # the old layout's slots
     runtime.state.restore(states)
     runtime.commit_initial(target)  # every copy of it again, in the new layout
@@ -202,10 +204,14 @@ def host_data(entry: Any, ranks: tuple[int, ...], configured: int) -> None:
     from recovery.loader_position import LoaderPosition
 
     if not isinstance(entry, LoaderPosition):
-        raise RecoveryImpossible(f"its loader ({type(entry).__qualname__}) cannot be split by "
-                                 "rank: pass a DataLoader with a DistributedSampler to "
-                                 "Checkpointless(loader=...)")
+        raise RecoveryImpossible(_unsplittable(entry))
     entry.host(ranks, configured)
+
+
+def _unsplittable(entry: Any) -> str:
+    return (f"its loader ({type(entry).__qualname__ if entry is not None else 'none'}) "
+            "cannot be split by rank: pass a DataLoader with a DistributedSampler to "
+            "Checkpointless(loader=...)")
 
 
 def why_not_resizable(runtime: Any) -> str | None:
@@ -228,18 +234,15 @@ def why_not_resizable(runtime: Any) -> str | None:
     if other:
         return (f"state {', '.join(map(repr, other))} is neither a data-parallel replica "
                 "(DDP, or a model passed to all_reduce_gradients) nor sharded by FSDP2")
+    entries = dict(iter(runtime.state))
     for name in fsdp:
-        if (why := sharding_refusal(dict(iter(runtime.state))[name])) is not None:
+        if (why := sharding_refusal(entries[name])) is not None:
             return f"state {name!r}: {why}"
     integration = getattr(runtime, "resize_refusal", None)  # a framework's own loaders
     if integration is not None:
         return integration()
-    entry = dict(iter(runtime.state)).get("loader")
-    if isinstance(entry, LoaderPosition):
-        return entry.split_refusal()
-    return (f"its loader ({type(entry).__qualname__ if entry is not None else 'none'}) "
-            "cannot be split by rank: pass a DataLoader with a DistributedSampler to "
-            "Checkpointless(loader=...)")
+    entry = entries.get("loader")
+    return entry.split_refusal() if isinstance(entry, LoaderPosition) else _unsplittable(entry)
 
 
 def publish_resizability(runtime: Any) -> None:
@@ -277,9 +280,9 @@ def gradient_weight(runtime: Any) -> float | None:
     configured ranks' batches, ``hosted / configured`` (so the average stays the mean
     over the global batch: a rank with two ranks' batches counts twice). None otherwise."""
     w = runtime.world
-    if not w.resized or len({len(w.hosted(r)) for r in range(w.size)}) == 1:
+    if not w.resized or not w.uneven:
         return None
-    return len(w.hosted(runtime.rank)) / w.configured
+    return w.hosted_counts[runtime.rank] / w.configured
 
 
 def after_restore(runtime: Any, target: int) -> int:

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from recovery import hosted_loader
-from recovery.errors import RecoveryImpossible
 from recovery.loader_position import is_stateful as _stateful
 from recovery.loader_position import open_from, skip
 
@@ -55,11 +54,7 @@ class ResumableLoader:
     def host(self, ranks: tuple[int, ...], configured: int) -> None:
         """Hand out, per step, the batches the configured world's ``ranks`` would get,
         joined (the job shrank: :mod:`recovery.hosted_loader`)."""
-        why = hosted_loader.refusal(self._inner)
-        if why is not None:
-            raise RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, "
-                                     f"but {why}")
-        self._hosted = (tuple(ranks), configured)
+        self._hosted = hosted_loader.Hosting(self._inner, ranks, configured)
 
     # -- transparency ------------------------------------------------------------------
     @property
@@ -77,8 +72,7 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         if self._hosted is not None:  # the configured world's pass: as many steps
-            return len(hosted_loader.rank_loader(self._inner, self._hosted[0][0],
-                                                 self._hosted[1]))
+            return self._hosted.length
         return len(self._inner)
 
     def __repr__(self) -> str:
@@ -115,10 +109,7 @@ class ResumableLoader:
             if callable(set_epoch) and getattr(self._inner, "sampler", None) is None:
                 set_epoch(self._hooks.current_epoch())  # loaders that own their sampling
             if self._hosted is not None:
-                ranks, world = self._hosted
-                return hosted_loader.HostedIterator(
-                    [hosted_loader.rank_loader(self._inner, r, world) for r in ranks],
-                    skip, done)
+                return self._hosted.open(self._inner, skip, done)
             iterator = iter(self._inner)
             if done and not _stateful(self._inner):
                 skip(self._inner, iterator, done)

@@ -109,6 +109,8 @@ class CheckpointlessStrategy(DDPStrategy):
         self._snap_step = -1
         self._step_at_fetch: int | None = None
         self._loaders: list[ResumableLoader] = []
+        # why the job cannot change size, as its training loaders last said (ADR 0035)
+        self._loader_refusal: str | None = "its training loader is not known yet"
         self._observed: dict[str, Any] | None = None  # restored loop state, until fit starts
         self._warned_epoch_boundary = False
         self._snap_due_next = False
@@ -335,7 +337,7 @@ class CheckpointlessStrategy(DDPStrategy):
         """Why this job cannot change size (ADR 0035), or None: Lightning's DDP is data
         parallel, so it is the training loaders that decide (as last seen: a failed
         attempt's teardown drops them before the recovery asks)."""
-        return getattr(self, "_loader_refusal", "its training loader is not known yet")
+        return self._loader_refusal
 
     def current_epoch(self) -> int:
         return self.lightning_module.trainer.current_epoch
