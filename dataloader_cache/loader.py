@@ -32,25 +32,18 @@ so a loop that calls ``set_epoch`` with the epoch it resumed in continues mid-ep
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-from torch.utils.data import (
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    default_collate,
-)
+from torch.utils.data import DataLoader, default_collate
 
 from replication import contract
 
+from .arguments import Arguments, build_config, is_iterable_dataset
 from .codec import CorruptEntryError, Frame, decode, encode
 from .config import DataloaderCacheConfig
 from .epoch_cache import EpochSampleCache
@@ -64,7 +57,6 @@ from .workers import ProcessPool
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(DataloaderCacheConfig)}
 
 
 def default_job_id() -> str:
@@ -72,81 +64,6 @@ def default_job_id() -> str:
     launcher's, else torchrun's), or ``"local"`` for a script run on its own."""
     value = contract.job_id()
     return value if value and value != "none" else "local"
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _build_config(config: DataloaderCacheConfig | None, overrides: dict[str, Any]):
-    unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
-    if unknown:
-        raise TypeError(
-            f"CachedLoader got unknown option(s) {unknown}; "
-            f"DataloaderCacheConfig fields are {sorted(_CONFIG_FIELDS)}"
-        )
-    cfg = dataclasses.replace(config or DataloaderCacheConfig(), **overrides)
-    for name, f in _CONFIG_FIELDS.items():
-        lo = f.metadata.get("min")
-        value = getattr(cfg, name)
-        if lo is not None and value < lo:
-            raise ValueError(f"dataloader_cache.{name} must be >= {lo}, got {value}")
-    return cfg
-
-
-def _is_iterable_dataset(dataset: Any) -> bool:
-    if isinstance(dataset, IterableDataset):
-        return True
-    return not hasattr(dataset, "__getitem__") and hasattr(dataset, "__iter__")
-
-
-@dataclasses.dataclass
-class _Args:
-    """``CachedLoader``'s data arguments, as given and then resolved."""
-
-    dataset: Any
-    batch_size: int | None
-    seed: int | None
-    dp_rank: int | None
-    dp_world: int | None
-    shuffle: bool | None
-    drop_last: bool | None
-    collate_fn: Callable[[list[Any]], Any] | None
-
-    def take_from_dataloader(self, loader: DataLoader) -> None:
-        """Fill what was not given from a ``DataLoader`` (and its ``DistributedSampler``)."""
-        if self.batch_size is None and loader.batch_size is None:
-            raise ValueError(
-                "the DataLoader has no batch_size (custom batch_sampler or batch_size="
-                "None); pass batch_size= to CachedLoader"
-            )
-        self.dataset = loader.dataset
-        self.batch_size = self.batch_size if self.batch_size is not None else loader.batch_size
-        self.collate_fn = self.collate_fn or loader.collate_fn
-        self.drop_last = loader.drop_last if self.drop_last is None else self.drop_last
-        sampler = loader.sampler
-        if isinstance(sampler, DistributedSampler):  # keep its sharding and seed
-            self.shuffle = sampler.shuffle if self.shuffle is None else self.shuffle
-            self.seed = sampler.seed if self.seed is None else self.seed
-            self.dp_rank = sampler.rank if self.dp_rank is None else self.dp_rank
-            self.dp_world = sampler.num_replicas if self.dp_world is None else self.dp_world
-        elif self.shuffle is None:
-            self.shuffle = isinstance(sampler, RandomSampler)
-
-    def validate(self, worker_mode: str) -> None:
-        """Check the arguments; data-parallel coordinates default to torch.distributed's."""
-        if self.batch_size is None or self.batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if worker_mode not in ("thread", "process"):
-            raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
-        if self.dp_rank is None or self.dp_world is None:
-            r, w = _dist_rank_world()
-            self.dp_rank = r if self.dp_rank is None else self.dp_rank
-            self.dp_world = w if self.dp_world is None else self.dp_world
-        if not 0 <= self.dp_rank < self.dp_world:
-            raise ValueError(f"dp_rank {self.dp_rank} outside [0, dp_world={self.dp_world})")
 
 
 class _Iterator:
@@ -202,12 +119,13 @@ class CachedLoader:
         worker_mode: str = "thread",
         **config_overrides: Any,
     ) -> None:
-        self.config = _build_config(config, config_overrides)
-        args = _Args(data, batch_size, seed, dp_rank, dp_world, shuffle, drop_last, collate_fn)
+        self.config = build_config(config, config_overrides)
+        args = Arguments(data, batch_size, seed, dp_rank, dp_world, shuffle, drop_last, collate_fn)
         if isinstance(data, DataLoader):
             args.take_from_dataloader(data)
         args.validate(worker_mode)
         self._set_identity(args, job_id)
+        self._fingerprint_given, self._worker_mode_given = fingerprint, worker_mode
         self._set_fingerprint(fingerprint)
         self._open_caches()
         n_threads = self._build_source(worker_mode)
@@ -220,19 +138,22 @@ class CachedLoader:
 
     # The steps of __init__, in order. Their warnings use stacklevel=3: one frame up
     # from __init__, at the code that built the loader.
-    def _set_identity(self, args: _Args, job_id: str | None) -> None:
+    def _set_identity(self, args: Arguments, job_id: str | None) -> None:
         """The loader's settings, from the resolved arguments."""
         self.dataset = args.dataset
         self.batch_size = int(args.batch_size)
         self.seed = 0 if args.seed is None else int(args.seed)
         self.dp_rank = int(args.dp_rank)
         self.dp_world = int(args.dp_world)
-        self.iterable = _is_iterable_dataset(args.dataset)
+        self.iterable = is_iterable_dataset(args.dataset)
         self.shuffle = (not self.iterable) if args.shuffle is None else bool(args.shuffle)
         self.drop_last = bool(args.drop_last)
         self.collate_fn = args.collate_fn or default_collate
         self.job_id = job_id or default_job_id()
         self.counters = Counters()
+        #: the data-parallel ranks whose batches each step joins (see :meth:`host`)
+        self.ranks: tuple[int, ...] = (self.dp_rank,)
+        self._join: Callable[[list[Any]], Any] | None = None
 
     def _set_fingerprint(self, fingerprint: str | None) -> None:
         """The cache key's fingerprint: the dataset's, and everything that shapes a batch."""
@@ -281,6 +202,7 @@ class CachedLoader:
         cfg = self.config
         self._pool: ProcessPool | None = None
         self._source: MapSource | IterableSource
+        self._parts: list[Any]
         if self.iterable:
             self._source = IterableSource(
                 self.dataset,
@@ -297,20 +219,26 @@ class CachedLoader:
                     "the iterable dataset is read by one prefetch thread",
                     stacklevel=3,
                 )
+            self._parts = [self._source]
             return min(1, cfg.workers)  # a stream is consumed by one worker
-        sampler = DeterministicSampler(
-            len(self.dataset),
-            self.batch_size,
-            seed=self.seed,
-            dp_rank=self.dp_rank,
-            dp_world=self.dp_world,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-        )
-        self.sampler = sampler
-        self._source = MapSource(
-            self.dataset, sampler, self.collate_fn, self.epoch_cache, self.counters
-        )
+        samplers = [
+            DeterministicSampler(
+                len(self.dataset),
+                self.batch_size,
+                seed=self.seed,
+                dp_rank=rank,
+                dp_world=self.dp_world,
+                shuffle=self.shuffle,
+                drop_last=self.drop_last,
+            )
+            for rank in self.ranks
+        ]
+        self.sampler = samplers[0]
+        self._parts = [
+            MapSource(self.dataset, sampler, self.collate_fn, self.epoch_cache, self.counters)
+            for sampler in samplers
+        ]
+        self._source = self._parts[0]
         if worker_mode == "process" and cfg.workers > 0:
             ec = None
             if self.epoch_cache is not None:
@@ -319,7 +247,7 @@ class CachedLoader:
                     self.dataset_fingerprint,
                     cfg.epoch_cache_budget_bytes,
                 )
-            self._pool = ProcessPool(cfg.workers, self.dataset, sampler, self.collate_fn, ec)
+            self._pool = ProcessPool(cfg.workers, self.dataset, samplers, self.collate_fn, ec)
         return cfg.workers
 
     def _start_workers(self, worker_mode: str, n_threads: int) -> None:
@@ -385,7 +313,8 @@ class CachedLoader:
             return
         epoch = self._epoch if epoch is None else epoch
         step = self._step if step is None else step
-        self.node_cache.mark_committed(self.fingerprint, self.dp_rank, epoch, step)
+        for rank in self.ranks:
+            self.node_cache.mark_committed(self.fingerprint, rank, epoch, step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -495,8 +424,15 @@ class CachedLoader:
             self._inflight.pop(key).cancel()  # running ones finish into the cache
 
     def _produce(self, epoch: int, step: int) -> Any:
-        """Cache lookup, else build, write to the cache, return. Runs in a worker."""
-        key = BatchKey(self.fingerprint, epoch, self.dp_rank, step)
+        """The batch ``(epoch, step)``: one part per hosted rank, joined. Runs in a worker."""
+        if self._join is None:
+            return self._produce_part(epoch, step, 0)
+        return self._join([self._produce_part(epoch, step, i) for i in range(len(self.ranks))])
+
+    def _produce_part(self, epoch: int, step: int, part: int) -> Any:
+        """Rank ``self.ranks[part]``'s batch: cache lookup, else build, write to the
+        cache, return."""
+        key = BatchKey(self.fingerprint, epoch, self.ranks[part], step)
         status = None
         if self.node_cache is not None:
             status, batch = self.node_cache.lookup(key)
@@ -504,14 +440,14 @@ class CachedLoader:
                 return batch
         frame: Frame | bytearray | None = None
         if self._pool is not None:
-            frame, delta = self._pool.compute(epoch, step)
+            frame, delta = self._pool.compute(epoch, step, part)
             self.counters.merge(delta)
             try:
                 batch = decode(frame)
             except CorruptEntryError as e:  # a pipe does not flip bits; a codec bug would
                 raise RuntimeError(f"worker returned an undecodable batch: {e}") from e
         else:
-            batch = self._source.compute(epoch, step)
+            batch = self._parts[part].compute(epoch, step)
             if batch is END:
                 return END
         self.counters.add("computed")
@@ -522,6 +458,37 @@ class CachedLoader:
                 frame = encode(batch)
             self.node_cache.put(key, frame)
         return batch
+
+    # ------------------------------------------------------------------ hosting
+    def host_refusal(self) -> str | None:
+        """Why this loader cannot hand out other ranks' batches (:meth:`host`), or None."""
+        if self.iterable:
+            return ("its CachedLoader reads an iterable dataset, whose stream is split by "
+                    "rank as it is read, so it cannot hand out other ranks' batches")
+        return None
+
+    def host(self, ranks: Sequence[int], dp_world: int,
+             join: Callable[[list[Any]], Any]) -> None:
+        """Hand out, per step, ``join`` of the batches that data-parallel ranks ``ranks``
+        of a ``dp_world``-rank world get (a job that shrank trains on fewer ranks, each
+        taking the data of retired ranks as well as its own). Each rank's part is built,
+        cached and replayed as that rank's own loader would, and the position stays one
+        ``(epoch, step)``, so a state saved by any of those loaders (same seed, batch size
+        and ``dp_world``) loads. Call it before iterating: the workers restart."""
+        if (why := self.host_refusal()) is not None:
+            raise ValueError(why)
+        ranks = tuple(int(r) for r in ranks)
+        if not ranks or any(not 0 <= r < dp_world for r in ranks):
+            raise ValueError(f"ranks {list(ranks)} are not ranks of a {dp_world}-rank world")
+        for fut in self._inflight.values():
+            fut.cancel()
+        self._inflight.clear()
+        self._finalizer()  # the workers and processes built for the previous ranks
+        self.dp_rank, self.dp_world, self.ranks = ranks[0], int(dp_world), ranks
+        self._join = join if len(ranks) > 1 else None
+        self._set_fingerprint(self._fingerprint_given)
+        n_threads = self._build_source(self._worker_mode_given)
+        self._start_workers(self._worker_mode_given, n_threads)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, cleanup: bool = False) -> None:

@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from replication.errors import CheckpointlessError
@@ -43,7 +43,7 @@ class WorkerError(CheckpointlessError, RuntimeError):
 def _worker_main(
     conn: Any,
     dataset: Any,
-    sampler: DeterministicSampler,
+    samplers: Sequence[DeterministicSampler],
     collate_fn: Callable[[list[Any]], Any],
     epoch_cache: tuple[str, str, int] | None,
     parent_pid: int,
@@ -56,7 +56,7 @@ def _worker_main(
     if epoch_cache is not None:
         path, fp, budget = epoch_cache
         ec = EpochSampleCache(path, fp, budget, counters=counters)
-    source = MapSource(dataset, sampler, collate_fn, ec, counters)
+    sources = [MapSource(dataset, s, collate_fn, ec, counters) for s in samplers]
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent_pid:
@@ -68,10 +68,10 @@ def _worker_main(
             return
         if msg is None:
             return
-        epoch, step = msg
+        epoch, step, part = msg
         counters.reset()
         try:
-            frame = encode(source.compute(epoch, step))
+            frame = encode(sources[part].compute(epoch, step))
         except BaseException as e:
             conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
             continue
@@ -96,10 +96,14 @@ class ProcessPool:
         self,
         n: int,
         dataset: Any,
-        sampler: DeterministicSampler,
+        samplers: DeterministicSampler | Sequence[DeterministicSampler],
         collate_fn: Callable[[list[Any]], Any],
         epoch_cache: tuple[str, str, int] | None,
     ) -> None:
+        """``samplers``: one per rank whose batches the pool computes (``part`` of
+        :meth:`compute` picks one), or a single sampler."""
+        if isinstance(samplers, DeterministicSampler):
+            samplers = [samplers]
         ctx = mp.get_context("spawn")
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
@@ -108,7 +112,7 @@ class ProcessPool:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(child, dataset, sampler, collate_fn, epoch_cache, os.getpid()),
+                args=(child, dataset, list(samplers), collate_fn, epoch_cache, os.getpid()),
                 daemon=True,
                 name="checkpointless-preprocess",
             )
@@ -123,13 +127,15 @@ class ProcessPool:
         """Process ids of the workers (for supervisors and tests)."""
         return [w.proc.pid for w in self._all if w.proc.pid is not None]
 
-    def compute(self, epoch: int, step: int) -> tuple[bytearray, dict[str, int]]:
-        """Encoded batch and the worker's counters for it."""
+    def compute(
+        self, epoch: int, step: int, part: int = 0
+    ) -> tuple[bytearray, dict[str, int]]:
+        """Encoded batch (of sampler ``part``) and the worker's counters for it."""
         if self._closed.is_set():
             raise WorkerError("process pool is closed")
         w = self._idle.get()
         try:
-            w.conn.send((epoch, step))
+            w.conn.send((epoch, step, part))
             kind, info, stats = w.conn.recv()
             if kind == "err":
                 raise WorkerError(

@@ -40,6 +40,11 @@ def refusal(loader: Any) -> str | None:
     return None
 
 
+def cannot_host(ranks: tuple[int, ...], why: str) -> RecoveryImpossible:
+    """The one-line error of a loader that cannot take the data of ``ranks``."""
+    return RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, but {why}")
+
+
 def rank_loader(loader: DataLoader, rank: int, world: int) -> DataLoader:
     """The loader the configured world's ``rank`` would iterate in this pass."""
     s = loader.sampler
@@ -105,8 +110,7 @@ class Hosting:
         or :func:`refusal`'s, in one line, if ``loader`` cannot."""
         why = why_not or refusal(loader)
         if why is not None:
-            raise RecoveryImpossible(f"this rank must take the data of ranks {list(ranks)}, "
-                                     f"but {why}")
+            raise cannot_host(ranks, why)
         self.ranks, self.configured = tuple(ranks), configured
         # a pass has as many steps as the configured world's (the sampler pads the ranks
         # to one count): measured once, not at every step's end

@@ -126,12 +126,21 @@ class LoaderPosition:
     def host(self, ranks: tuple[int, ...], configured: int) -> None:
         """Hand out, per step, the batches the configured world's ``ranks`` would get,
         joined into one (the job shrank: :mod:`recovery.hosted_loader`)."""
-        self.hosted = hosted_loader.Hosting(self.loader, ranks, configured,
-                                            why_not=self.split_refusal())
+        if not self.native:
+            self.hosted = hosted_loader.Hosting(self.loader, ranks, configured,
+                                                why_not=self.split_refusal())
+            return
+        # a loader that keeps its own position (a CachedLoader) joins the ranks itself
+        if (why := self.split_refusal()) is not None:
+            raise hosted_loader.cannot_host(ranks, why)
+        self.loader.host(ranks, configured, hosted_loader.concat)
 
     def split_refusal(self) -> str | None:
         """Why this loader cannot hand out other ranks' batches, or None if it can."""
         if self.native:
+            own = getattr(self.loader, "host_refusal", None)
+            if callable(own):
+                return own()
             return (f"its loader ({type(self.loader).__qualname__}) keeps a position of its "
                     "own, which cannot be split by rank")
         return hosted_loader.refusal(self.loader)

@@ -237,6 +237,54 @@ def test_dp_ranks_partition_the_epoch(tmp_path):
     assert sorted(seen) == list(range(30))
 
 
+def _join(parts):
+    return {"idx": torch.cat([p["idx"] for p in parts])}
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_loader_hosting_ranks_hands_out_their_batches_joined(tmp_path, mode):
+    """A job shrank from 4 ranks to 2 (ADR 0035): a loader built in the smaller world
+    hands out, per step, what ranks 1 and 3 of the 4-rank world got, joined; it resumes
+    from a state saved by rank 1's own loader, and caches each rank's part under that
+    rank, where a rollback finds it."""
+    own = {}
+    for rank in (1, 3):
+        with CachedLoader(RecordingDataset(40), 3, seed=5, dp_rank=rank, dp_world=4,
+                          enabled=False) as ref:
+            own[rank] = idx_of(ref)
+    log = tmp_path / "reads.log"
+    loader = CachedLoader(RecordingDataset(40, str(log)), 3, seed=5, dp_rank=1, dp_world=2,
+                          job_id="host", directory=str(tmp_path / "nc"), worker_mode=mode,
+                          workers=2, prefetch=2)
+    loader.host((1, 3), 4, _join)
+    assert len(loader) == len(own[1]) == 4 and loader.dp_world == 4
+    assert idx_of(loader) == [a + b for a, b in zip(own[1], own[3], strict=True)]
+
+    with CachedLoader(RecordingDataset(40), 3, seed=5, dp_rank=1, dp_world=4,
+                      enabled=False) as rank1:
+        it = iter(rank1)
+        next(it), next(it)
+        state = rank1.state_dict()  # rank 1's own position, before the shrink
+    loader.load_state_dict(state)
+    log.write_text("")
+    again = idx_of(loader)
+    assert again == [a + b for a, b in zip(own[1][2:], own[3][2:], strict=True)]
+    assert log.read_text() == "", "a rollback should find each rank's part in the cache"
+    assert loader.node_cache.lookup(BatchKey(loader.fingerprint, 0, 3, 1))[0] == "hit"
+
+    with pytest.raises(ValueError, match="not ranks of a 4-rank world"):
+        loader.host((1, 4), 4, _join)
+    loader.close()
+
+
+def test_a_loader_over_an_iterable_dataset_cannot_host_ranks():
+    with CachedLoader(support.Stream(12), 2, dp_rank=0, dp_world=2,
+                      enabled=False) as loader:
+        assert "iterable dataset" in loader.host_refusal()
+        with pytest.raises(ValueError, match="iterable dataset"):
+            loader.host((0, 1), 2, _join)
+
+
 def test_worker_errors_reach_the_caller(tmp_path):
     loader = CachedLoader(
         support.FailingDataset(8), 2, shuffle=False, enabled=False, prefetch=2, workers=2

@@ -28,12 +28,12 @@ SAMPLES, BATCH, EPOCHS = 384, 8, 2
 
 
 def _run(tmp: Path, *overrides: str, epochs: int = EPOCHS, sleep: float = 0.0, nnodes: int = 2,
-         reduce: str = "ddp", **kw):
+         reduce: str = "ddp", loader: str = "plain", **kw):
     out = tmp / "out"
     job = run_job(tmp / "run", nnodes=nnodes, timeout_s=200, script=SCRIPT,
                   script_args=("--out", str(out), "--epochs", str(epochs), "--sleep", str(sleep),
                                "--batch", str(BATCH), "--samples", str(SAMPLES),
-                               "--reduce", reduce),
+                               "--reduce", reduce, "--loader", loader),
                   overrides=list(overrides), **kw)
     return job, out
 
@@ -104,17 +104,21 @@ def _max_rel_dev(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("interval,fault_step,reduce", [("auto", 5, "ddp"), ("2", 17, "runtime")],
-                         ids=["ddp-auto-interval-step5", "all_reduce_gradients-every2-step17"])
+@pytest.mark.parametrize("interval,fault_step,reduce,loader",
+                         [("auto", 5, "ddp", "plain"), ("2", 17, "runtime", "cached")],
+                         ids=["ddp-auto-interval-step5",
+                              "all_reduce_gradients-cachedloader-every2-step17"])
 def test_a_lost_node_without_spare_shrinks_the_job(tmp_path, reference, interval,
-                                                  fault_step, reduce):
-    """DDP killed at step 5 under the default interval (the rollback goes to step 0);
-    a plain model whose gradients ``cl.all_reduce_gradients`` averages killed at step 17
-    with a snapshot every 2 steps (to step 14 or 16, whether 16 had committed: mid-way
-    through the second epoch, so the retired ranks' loaders resume mid-pass)."""
+                                                  fault_step, reduce, loader):
+    """DDP over a plain DataLoader killed at step 5 under the default interval (the
+    rollback goes to step 0); a plain model whose gradients ``cl.all_reduce_gradients``
+    averages, over the runtime's ``CachedLoader``, killed at step 17 with a snapshot
+    every 2 steps (to step 14 or 16, whether 16 had committed: mid-way through the second
+    epoch, so the retired ranks' parts resume mid-pass)."""
     job, out = _run(tmp_path, "recovery.spare_wait_s=0.5",  # on_no_spare=shrink: the default
                     f"recovery.fault=2:{fault_step}:backward:node",
-                    f"replication.every_n_steps={interval}", *FAST, reduce=reduce)
+                    f"replication.every_n_steps={interval}", *FAST, reduce=reduce,
+                    loader=loader)
     assert job.returncodes[1] == -9, f"node 1's agent should be SIGKILLed: {job.returncodes}"
     assert_succeeded(job, except_nodes=(1,))
     shrunk = job.events("world_shrunk")
@@ -292,6 +296,20 @@ def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_facto
         "the resharded state differs from the state before the shrink")
     finals = _finals(out)
     assert sorted(finals) == [0, 1] and finals[0]["digest"] == finals[1]["digest"]
+
+
+def test_an_fsdp2_job_that_lost_every_copy_of_a_shard_stops_with_one_line(tmp_path):
+    """``replication.factor=1`` keeps only each rank's own copy: node 1's loss takes
+    ranks 2 and 3's shards with it, and nothing durable was written, so the job cannot
+    shrink. It stops at once with one line naming the ranks whose state is gone."""
+    job, _ = _run_fsdp2(tmp_path, "replication.factor=1", "replication.every_n_steps=2",
+                        "recovery.fault=2:9:backward:node", *FAST)
+    assert job.returncodes[1] == -9, job.returncodes
+    assert job.returncodes[0] == 75, job.returncodes  # for a scheduler to requeue
+    said = job.agents[0].stderr
+    assert ("checkpointless: job failed: the job shrank, but no surviving rank holds the "
+            "state of old rank(s) [2, 3] (their own copy and every replica were lost)"
+            in said), job.output()
 
 
 LIGHTNING_SCRIPT = "tests/lightning_scripts/shrink_ddp.py"

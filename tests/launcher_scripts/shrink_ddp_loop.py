@@ -7,7 +7,8 @@ and momentum. The only additions are the runtime's lines (the registration,
 file per launch rank (opened in append mode, as a script that may run again must), the
 step, the generation, the rank and world size it ran at, and the sample indices of its
 batch. The final weights go to ``final_slot<launch rank>.json``. ``--reduce runtime``
-averages a plain model's gradients with ``cl.all_reduce_gradients`` instead of DDP.
+averages a plain model's gradients with ``cl.all_reduce_gradients`` instead of DDP;
+``--loader cached`` wraps the DataLoader in the runtime's ``CachedLoader``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slower steps)")
     ap.add_argument("--reduce", choices=["ddp", "runtime"], default="ddp",
                     help="DDP, or a plain model with cl.all_reduce_gradients")
+    ap.add_argument("--loader", choices=["plain", "cached"], default="plain")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -46,6 +48,10 @@ def main() -> None:
     dataset = Indexed(args.samples)
     sampler = DistributedSampler(dataset, shuffle=True, seed=3)
     data = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+    if args.loader == "cached":
+        from dataloader_cache import CachedLoader
+
+        data = CachedLoader(data, directory=os.path.join(args.out, "batch-cache"))
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     if args.reduce == "ddp":
         model = DDP(model)
