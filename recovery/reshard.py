@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -129,37 +130,54 @@ def replica_states(engine: Any, replicas: Any, own: int,
     return held
 
 
-def providers(held: set[int], old_world: int, rank: int, world: int) -> dict[int, int]:
-    """Old rank -> the lowest new rank holding it (collective: one all-gather)."""
+def shard_coordinates(t: Any) -> tuple[int, int]:
+    """``(index, count)``: which of the dim-0 shards of the sharded tensor ``t`` this
+    rank holds, and how many there are (the size of its mesh's sharding dimension)."""
+    d = next(i for i, pl in enumerate(t.placements) if type(pl).__name__ == "Shard")
+    return t.device_mesh.get_local_rank(mesh_dim=d), t.device_mesh.size(d)
+
+
+def shard_count(module: torch.nn.Module) -> int:
+    """How many dim-0 shards ``module``'s sharded parameters are split into."""
+    return next(shard_coordinates(p)[1] for p in module.parameters() if is_sharded(p))
+
+
+def providers(held: set[int], old_world: int, old_shards: int,
+              world: int) -> tuple[dict[int, int], list[int]]:
+    """Old shard index -> the lowest new rank holding it (any old rank ``o`` holds shard
+    ``o % old_shards``: 1-D FSDP2 has one shard per rank, HSDP one per rank of a replica
+    group), and the new ranks that hold nothing (collective: one all-gather)."""
     mask = torch.zeros(old_world, dtype=torch.int64)
     mask[sorted(held)] = 1
     masks = [torch.zeros_like(mask) for _ in range(world)]
     dist.all_gather(masks, mask)
     out, missing = {}, []
-    for i in range(old_world):
-        holders = [r for r in range(world) if int(masks[r][i])]
+    for i in range(old_shards):
+        olds = range(i, old_world, old_shards)
+        holders = [r for r in range(world) if any(int(masks[r][o]) for o in olds)]
         if holders:
             out[i] = holders[0]
         else:
-            missing.append(i)
+            missing.extend(olds)
     if missing:
         raise RecoveryImpossible(
-            f"the job shrank, but no surviving rank holds the state of old rank(s) "
-            f"{missing} (their own copy and every replica were lost), so its FSDP2 shards "
-            "cannot be resharded")
-    return out
+            f"the job's world changed size, but no surviving rank holds the state of old "
+            f"rank(s) {sorted(missing)} (their own copy and every replica were lost), so "
+            "its FSDP2 shards cannot be resharded")
+    return out, [r for r in range(world) if not int(masks[r].sum())]
 
 
-def gather_rows(shape: torch.Size, dtype: torch.dtype, old_world: int,
+def gather_rows(shape: torch.Size, dtype: torch.dtype, old_shards: int,
                 provider: dict[int, int], shard_of: Callable[[int], torch.Tensor],
-                rank: int, world: int) -> torch.Tensor:
-    """This rank's new shard (rows of dim 0) of a tensor of global ``shape``, from the old
-    shards, each broadcast by its provider (collective: every rank, same order)."""
+                new: tuple[int, int], rank: int) -> torch.Tensor:
+    """This rank's new shard (rows of dim 0; ``new`` is its ``(index, count)``) of a
+    tensor of global ``shape``, from the old shards, each broadcast by its provider
+    (collective: every rank, same order)."""
     rows, rest = shape[0], tuple(shape[1:])
-    c_old, c_new = math.ceil(rows / old_world), math.ceil(rows / world)
-    lo, hi = min(rank * c_new, rows), min((rank + 1) * c_new, rows)
+    c_old, c_new = math.ceil(rows / old_shards), math.ceil(rows / new[1])
+    lo, hi = min(new[0] * c_new, rows), min((new[0] + 1) * c_new, rows)
     out = torch.empty((hi - lo, *rest), dtype=dtype)
-    for i in range(old_world):
+    for i in range(old_shards):
         a, b = min(i * c_old, rows), min((i + 1) * c_old, rows)
         if a >= b:
             continue
@@ -174,37 +192,87 @@ def gather_rows(shape: torch.Size, dtype: torch.dtype, old_world: int,
     return out
 
 
-def resharded_states(state: Any, held: dict[int, dict[str, Any]], own: int, old_world: int,
-                     rank: int, world: int) -> tuple[dict[str, Any], int]:
-    """The states to restore at the new size, and the sharded bytes this rank got."""
-    provider = providers(set(held), old_world, rank, world)
-    states = dict(held[own])
+@dataclass(frozen=True)
+class _Left:
+    """A sharded tensor left out of the state sent to a rank that holds nothing."""
+
+    dtype: torch.dtype
+
+
+def _sharded_value(p: Any, value: Any) -> bool:
+    """Whether an optimizer state value of parameter ``p`` is sharded as ``p`` is."""
+    return is_sharded(p) and isinstance(value, torch.Tensor) and value.ndim == p.ndim
+
+
+def _without_shards(state: Any, own: dict[str, Any]) -> dict[str, Any]:
+    """``own`` with every sharded tensor left out (:class:`_Left`): what a rank that
+    holds nothing takes from another, the shards being gathered anyway."""
+    out = dict(own)
+    for name, obj in state:
+        if name not in out:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            live = obj.state_dict()
+            out[name] = {k: _Left(v.dtype) if is_sharded(live.get(k)) else v
+                         for k, v in own[name].items()}
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            out[name] = {**own[name], "state": {
+                pid: {k: _Left(v.dtype) if _sharded_value(params[pid], v) else v
+                      for k, v in e.items()}
+                for pid, e in own[name].get("state", {}).items()}}
+    return out
+
+
+def _base(state: Any, held: dict[int, dict[str, Any]], own: int | None, empty: list[int],
+          rank: int, world: int) -> dict[str, Any]:
+    """What is not sharded (buffers, the scheduler, RNG, the data position): the rank's
+    own old state; a rank that holds nothing (a node that joined) gets the lowest
+    holding rank's (collective when any rank holds nothing)."""
+    if not empty:
+        assert own is not None
+        return held[own]
+    src = min(r for r in range(world) if r not in empty)
+    box = [_without_shards(state, held[own]) if rank == src and own is not None else None]
+    dist.broadcast_object_list(box, src=src)
+    return held[own] if own is not None else box[0]
+
+
+def resharded_states(state: Any, held: dict[int, dict[str, Any]], own: int | None,
+                     old: tuple[int, int], rank: int, world: int) -> tuple[dict[str, Any], int]:
+    """The states to restore at the new size, and the sharded bytes this rank got.
+    ``held``: the old ranks' states this rank holds (``own`` is its own old rank, None
+    for a rank that holds nothing); ``old``: the old world's ``(size, shard count)``."""
+    old_world, old_shards = old
+    provider, empty = providers(set(held), old_world, old_shards, world)
+    source = {o % old_shards: o for o in sorted(held, reverse=True)}  # the lowest old rank
+    states = dict(_base(state, held, own, empty, rank, world))
     received = 0
     for name, obj in state:
         if name not in states:
             continue
         if isinstance(obj, torch.nn.Module):
-            live = obj.state_dict()
             new = dict(states[name])
-            for key, dst in live.items():
+            for key, dst in obj.state_dict().items():
                 if is_sharded(dst):
-                    new[key] = gather_rows(dst.shape, dst.dtype, old_world, provider,
-                                           lambda i, n=name, k=key: held[i][n][k], rank, world)
+                    new[key] = gather_rows(dst.shape, dst.dtype, old_shards, provider,
+                                           lambda i, n=name, k=key: held[source[i]][n][k],
+                                           shard_coordinates(dst), rank)
                     received += new[key].numel() * new[key].element_size()
             states[name] = new
         elif isinstance(obj, torch.optim.Optimizer):
             params = [p for g in obj.param_groups for p in g["params"]]
-            old = states[name]
+            base = states[name]
             new_state = {}
-            for pid, entry in old["state"].items():
+            for pid, entry in base["state"].items():
                 p = params[pid]
                 new_entry = dict(entry)
                 for key, value in entry.items():
-                    if is_sharded(p) and isinstance(value, torch.Tensor) and value.ndim == p.ndim:
+                    if isinstance(value, _Left) or _sharded_value(p, value):
                         new_entry[key] = gather_rows(
-                            p.shape, value.dtype, old_world, provider,
-                            lambda i, n=name, q=pid, k=key: held[i][n]["state"][q][k],
-                            rank, world)
+                            p.shape, value.dtype, old_shards, provider,
+                            lambda i, n=name, q=pid, k=key: held[source[i]][n]["state"][q][k],
+                            shard_coordinates(p), rank)
                 new_state[pid] = new_entry
-            states[name] = {**old, "state": new_state}
+            states[name] = {**base, "state": new_state}
     return states, received

@@ -151,6 +151,20 @@ def resizability(store: dist.Store) -> tuple[bool, str | None, str | None]:
     return True, None if why is None else str(why), None if grow is None else str(grow)
 
 
+def mark_laid_out(store: dist.Store, world: World) -> None:
+    """Record that the job's sharded state is laid out for ``world`` (it was resharded
+    into it, or its shards fit it as they were): a process that joins it later (a
+    replacement) is handed its state as usual instead of taking part in a resharding."""
+    auth.put(store, f"{protocol.PREFIX}/world/laid_out/{world.version}", "1")
+
+
+def laid_out(store: dist.Store, world: World) -> bool:
+    """Whether the job's sharded state is laid out for ``world`` (see mark_laid_out);
+    the launch world is the one the state was built in."""
+    return world.version == 0 or auth.read(
+        store, f"{protocol.PREFIX}/world/laid_out/{world.version}") is not None
+
+
 def slot_of(environ: dict[str, str] | os._Environ[str]) -> int:
     """This process's launch rank (its ``RANK`` before any resize)."""
     return int(environ.get(ENV_SLOT) or environ.get("RANK", "0"))

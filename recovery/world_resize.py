@@ -64,7 +64,7 @@ class Carried:
     old_rank: int = 0  # this process's rank and world size in the world it left
     old_world: int = 1
     dp_entries: set[str] = field(default_factory=set)  # the state's data-parallel entries
-    layout: str | None = None  # of a sharded state: "fsdp" or "hsdp" (recovery.reshard)
+    old_shards: int = 0  # of a sharded state: the old layout's shard count (reshard)
 
     @property
     def sharded(self) -> bool:
@@ -108,54 +108,72 @@ def leave(runtime: Any, new: world.World, gen: int) -> None:
         refuse_unless_resizable(runtime, new)
         moved = {"old_rank": runtime.rank, "old_world": runtime.world_size}
         dp = set(runtime._dp_entries)
+        twins = _twins(runtime.world, new, runtime.slot)
         if (sharded := _sharded_entries(runtime)):  # FSDP2: resharded from every copy
-            from recovery.reshard import layout_of
+            from recovery.reshard import shard_count
 
-            layout = layout_of(dict(iter(runtime.state))[sharded[0]])
+            # twins: only so the plan finds a provider for a rank that holds nothing;
+            # the resharding serves it (every rank takes part)
             _carried = Carried(replicator.engine, runtime.store, dp_entries=dp,
-                               old_replicas=replicator.replicas, **moved,
-                               layout=layout)
+                               old_replicas=replicator.replicas, **moved, twins=twins,
+                               old_shards=shard_count(dict(iter(runtime.state))[sharded[0]]))
         else:
             _carried = Carried(replicator.engine, runtime.store, **moved,
-                               dp_entries=dp, twins=_twins(runtime.world, new, runtime.slot))
+                               dp_entries=dp, twins=twins)
     raise WorldResized(new)
 
 
 def reshard(runtime: Any, target: int) -> int | None:
-    """Restore ``target`` resharded at this world's size, if the process brought a
-    sharded state from another world (:mod:`recovery.reshard`), and commit it again as
-    the same step in the new layout; returns the sharded bytes received, or None when
-    there is nothing to reshard (the handover runs as usual)."""
+    """Restore ``target`` resharded at this world's size when the process brought a
+    sharded state from another world (:mod:`recovery.reshard`), or joins a world whose
+    state is not laid out for it yet holding nothing (a node that joined, or a process
+    lost with a node); then commit it again as the same step in the new layout. Returns
+    the sharded bytes received, or None when there is nothing to reshard (the handover
+    runs as usual)."""
     global _resharding
-    carried, _resharding = _resharding, None
-    if carried is None:
+    carried = _resharding
+    if carried is None and not (_sharded_entries(runtime) and runtime.env.launched
+                                and not world.laid_out(runtime.store, runtime.world)):
         return None
     import torch
 
     from recovery import reshard as resharding
 
-    old_rank, old_world = carried.old_rank, carried.old_world
-    own = resharding.own_state(carried.engine, target)
-    # Every rank must take the same path (the resharding is collective): one all-reduce.
-    differs = torch.tensor([0 if resharding.same_local_shapes(runtime.state, own) else 1])
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
-    if not int(differs):
-        return None  # HSDP without a replica group: each rank's own shards, as they are
-    if carried.layout != "fsdp":
-        raise RecoveryImpossible(
-            f"the job's world changed size, and its {carried.layout} shards would need "
-            "resharding to another shard size, which is built for 1-D FSDP2 only")
-    held = {old_rank: own, **resharding.replica_states(carried.engine, carried.old_replicas,
-                                                       old_rank, target)}
-    states, received = resharding.resharded_states(runtime.state, held, old_rank, old_world,
-                                                   runtime.rank, runtime.world_size)
+    own = resharding.own_state(carried.engine, target) if carried is not None else None
+    # Every rank must take the same path (the resharding is collective): one all-reduce,
+    # which also tells a rank that holds nothing the old world's size and shard count.
+    same = own is not None and resharding.same_local_shapes(runtime.state, own)
+    vote = torch.tensor([0 if same else 1, carried.old_world if carried else 0,
+                         carried.old_shards if carried else 0])
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    differs, old_world, old_shards = (int(v) for v in vote)
+    if not differs:  # HSDP without a replica group: each rank's own shards, as they are
+        _resharding = None
+        _laid_out(runtime)
+        return None
+    held = {}
+    if carried is not None:
+        held = {carried.old_rank: own, **resharding.replica_states(
+            carried.engine, carried.old_replicas, carried.old_rank, target)}
+    states, received = resharding.resharded_states(
+        runtime.state, held, carried.old_rank if carried else None, (old_world, old_shards),
+        runtime.rank, runtime.world_size)
     del held, own
-    carried.engine.forget()  # the old layout's slots
+    if carried is not None:
+        carried.engine.forget()  # the old layout's slots
     runtime.state.restore(states)
     runtime.commit_initial(target)  # every copy of it again, in the new layout
+    _resharding = None
+    _laid_out(runtime)
     runtime.log.emit(Event.WORLD_RESIZED, rank=runtime.rank, resharded_step=target,
-                     old_world=old_world, world=runtime.world_size, bytes_received=received)
+                     old_world=old_world, world=runtime.world_size, bytes_received=received,
+                     held_nothing=carried is None)
     return received
+
+
+def _laid_out(runtime: Any) -> None:
+    if runtime.rank == 0 and runtime.env.launched:
+        world.mark_laid_out(runtime.store, runtime.world)
 
 
 def _sharded_entries(runtime: Any) -> list[str]:
@@ -251,11 +269,9 @@ def publish_resizability(runtime: Any) -> None:
     if runtime.rank != 0 or not runtime.env.launched:
         return
     why = why_not_resizable(runtime)
-    grow = why or ("growing an FSDP2 job back (resharding to more ranks) is not built"
-                   if _sharded_entries(runtime) else None)
-    if getattr(runtime, "_resizability_said", ()) != (why, grow):
-        world.record_resizability(runtime.store, why, grow)
-        runtime._resizability_said = (why, grow)
+    if getattr(runtime, "_resizability_said", ()) != (why, why):
+        world.record_resizability(runtime.store, why, why)
+        runtime._resizability_said = (why, why)
 
 
 def refuse_unless_resizable(runtime: Any, new: world.World) -> None:

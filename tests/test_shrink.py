@@ -254,48 +254,59 @@ def test_on_no_spare_stop_keeps_the_job_from_shrinking(tmp_path):
 FSDP2_SCRIPT = "tests/launcher_scripts/shrink_fsdp2_loop.py"
 
 
-def _run_fsdp2(tmp: Path, *overrides: str, mesh: str = "1d"):
+def _run_fsdp2(tmp: Path, *overrides: str, mesh: str = "1d", epochs: int = EPOCHS,
+               sleep: float = 0.0, **kw):
     out = tmp / "out"
     job = run_job(tmp / "run", nnodes=2, timeout_s=200, script=FSDP2_SCRIPT,
-                  script_args=("--out", str(out), "--epochs", str(EPOCHS), "--batch",
-                               str(BATCH), "--samples", str(SAMPLES), "--mesh", mesh),
-                  overrides=list(overrides))
+                  script_args=("--out", str(out), "--epochs", str(epochs), "--batch",
+                               str(BATCH), "--samples", str(SAMPLES), "--mesh", mesh,
+                               "--sleep", str(sleep)),
+                  overrides=list(overrides), **kw)
     return job, out
 
 
 @pytest.mark.parametrize("mesh", ["1d", "hsdp"])
 def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_factory, mesh):
     """FSDP2 over 4 ranks (layers of 13, 7 and 1 rows: unequal and empty shards), node 1
-    lost: the survivors reshard every parameter and Adam state from 4 to 2 shards, from
-    their own shards and their replicas of ranks 2 and 3. HSDP (2 replica groups x 2
-    shards, one group per node): the loss drops a replica group, and each survivor's
-    own shards are already those of the 2-rank mesh (nothing resharded). Either way the
-    full state the first step after the shrink starts from equals, bit for bit, the one
-    the failure-free run's same step starts from; every step's samples are the
-    failure-free run's."""
-    ref_job, ref = _run_fsdp2(tmp_path_factory.mktemp(f"fsdp2_reference_{mesh}"), mesh=mesh)
+    lost, no spare: the survivors reshard every parameter and Adam state from 4 to 2
+    shards, from their own shards and their replicas of ranks 2 and 3. HSDP (2 replica
+    groups x 2 shards, one group per node): the loss drops a replica group, and each
+    survivor's own shards are already those of the 2-rank mesh (nothing resharded).
+
+    Then a new node joins and the job grows back to 4 ranks, its new ranks holding
+    nothing: every rank takes part in the resharding from 2 shards to 4 (HSDP: from the
+    2-rank 1-D mesh to 2 groups x 2 shards), the new ranks' unsharded state (the data
+    position) coming from the lowest survivor.
+
+    The full state the first step after each resize starts from equals the one the step
+    before it ended with (committed at the old size), bit for bit; at the shrink, that is
+    the failure-free run's. Every step's samples are the failure-free run's."""
+    epochs = 4
+    ref_job, ref = _run_fsdp2(tmp_path_factory.mktemp(f"fsdp2_ref4_{mesh}"), mesh=mesh,
+                              epochs=epochs)
     assert_succeeded(ref_job)
-    job, out = _run_fsdp2(tmp_path, "replication.every_n_steps=2",
-                          "recovery.fault=2:9:backward:node", *FAST, mesh=mesh)
+    job, out = _run_fsdp2(tmp_path, "replication.every_n_steps=2", "recovery.spare_wait_s=0.5",
+                          "recovery.fault=2:9:backward:node", *FAST, mesh=mesh, epochs=epochs,
+                          sleep=0.25, late_spare_nodes=1, during=_add_a_node_once_shrunk)
     assert_succeeded(job, except_nodes=(1,))
-    assert [e["world"] for e in job.events("world_shrunk")] == [[0, 1]]
-    resharded = [e for e in job.events("world_resized") if "resharded_step" in e]
-    if mesh == "1d":
-        assert sorted(e["rank"] for e in resharded) == [0, 1], resharded
-    else:
-        assert not resharded, resharded
-    target = next(e["target_step"] for e in job.events("recovery")
-                  if e["gen"] == max(f["gen"] for f in job.events("recovery")))
-    assert target in (6, 8), target
+    assert [e["world"] for e in job.events("world_grown")] == [[0, 1, 2, 3]]
     got, want = _steps(out), _steps(ref)
-    sizes = _assert_same_samples(want, got, EPOCHS)
-    assert _size_runs(sizes) == [4, 2], sizes
-    first = got[target + 1]
-    assert {r["world"] for r in first} == {2}
-    assert {r["start"] for r in first} == {want[target + 1][0]["start"]}, (
-        "the resharded state differs from the state before the shrink")
+    sizes = _assert_same_samples(want, got, epochs)
+    assert _size_runs(sizes) == [4, 2, 4], sizes
+    resharded = [e for e in job.events("world_resized") if e.get("resharded_step") is not None]
+    shrunk = [e["rank"] for e in resharded if e["world"] == 2]
+    assert sorted(shrunk) == ([0, 1] if mesh == "1d" else []), resharded
+    grown = [e for e in resharded if e["world"] == 4]
+    assert sorted((e["rank"], e["held_nothing"]) for e in grown) == [
+        (0, False), (1, False), (2, True), (3, True)], grown
+    shrink, grow = [s for s in sorted(sizes)[1:] if sizes[s] != sizes[s - 1]]
+    assert {r["start"] for r in got[shrink]} == {want[shrink][0]["start"]}
+    for step in (shrink, grow):
+        assert {r["start"] for r in got[step]} == {r["end"] for r in got[step - 1]}, (
+            f"the state step {step} started from at {sizes[step]} ranks differs from the "
+            f"one step {step - 1} ended with at {sizes[step - 1]}")
     finals = _finals(out)
-    assert sorted(finals) == [0, 1] and finals[0]["digest"] == finals[1]["digest"]
+    assert sorted(finals) == [0, 1, 2, 3] and len({f["digest"] for f in finals.values()}) == 1
 
 
 def test_an_fsdp2_job_that_lost_every_copy_of_a_shard_stops_with_one_line(tmp_path):
@@ -307,8 +318,9 @@ def test_an_fsdp2_job_that_lost_every_copy_of_a_shard_stops_with_one_line(tmp_pa
     assert job.returncodes[1] == -9, job.returncodes
     assert job.returncodes[0] == 75, job.returncodes  # for a scheduler to requeue
     said = job.agents[0].stderr
-    assert ("checkpointless: job failed: the job shrank, but no surviving rank holds the "
-            "state of old rank(s) [2, 3] (their own copy and every replica were lost)"
+    assert ("checkpointless: job failed: the job's world changed size, but no surviving rank "
+            "holds the state of old rank(s) [2, 3] (their own copy and every replica were "
+            "lost)"
             in said), job.output()
 
 

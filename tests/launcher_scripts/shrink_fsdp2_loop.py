@@ -5,8 +5,9 @@ and, at each step's start, a digest of the full (unsharded) parameters and Adam 
 hsdp``: replicate x shard, one replica group per node of 2), AdamW, a
 ``DataLoader`` over a ``DistributedSampler``, ``for x, y, index in data``. Every step
 appends to a file per launch rank (append mode: a script that may run again must): the
-step, the generation, the world size, the sample indices and the digest of the state the
-step started from (gathered with ``full_tensor()``, a collective every rank runs).
+step, the generation, the world size, the sample indices and the digests of the state the
+step started from and ended with (gathered with ``full_tensor()``, a collective every
+rank runs).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--mesh", choices=["1d", "hsdp"], default="1d",
                     help="hsdp: replicate x shard, one replica group per node of 2")
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slower steps)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -83,8 +86,10 @@ def main() -> None:
                 opt.step()
                 log.write(json.dumps({"step": step, "gen": cl.gen, "rank": rank,
                                       "world": world, "slot": cl.slot, "start": digest,
+                                      "end": full_digest(model, opt),
                                       "index": index.tolist()}) + "\n")
                 log.flush()
+                time.sleep(args.sleep)
     log.close()
     final = full_digest(model, opt)
     with open(os.path.join(args.out, f"final_slot{cl.slot}.json"), "w") as f:
