@@ -540,7 +540,7 @@ class Checkpointless:
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
                 **elastic_controller.controller().counters(),
                 "recovered_at": t_done}
-        info["weighted_ddps"] = world_resize.after_restore(self, plan.target_step)
+        info["weighted_modules"] = world_resize.after_restore(self, plan.target_step)
         self.log.emit(Event.RECOVERY, rank=self.rank, **info)
         self._resumed_from = info
         self.step = plan.target_step

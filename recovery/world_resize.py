@@ -322,8 +322,9 @@ def after_restore(runtime: Any, target: int) -> int:
 
 def weight_gradients(runtime: Any) -> int:
     """Give every DDP of this process a comm hook that weighs this rank's gradients by
-    :func:`gradient_weight` before their sum (DDP's own averages by the world size);
-    returns how many. Called after each restore (a restore rebuilds the reducers). A DDP
+    :func:`gradient_weight` before their sum (DDP's own averages by the world size), and
+    the state's FSDP2 modules a backward hook that does (:func:`_weigh_sharded`);
+    returns how many modules. Called after each restore (a restore rebuilds the reducers). A DDP
     with a hook of the user's keeps it, unweighted: its gradients then deviate by the
     uneven split, as the recovery event's ``unweighted_ddps`` says."""
     weight = gradient_weight(runtime)
@@ -341,7 +342,25 @@ def weight_gradients(runtime: Any) -> int:
             skipped += 1
     if skipped:
         runtime.log.emit(Event.WORLD_RESIZED, rank=runtime.rank, unweighted_ddps=skipped)
-    return hooked
+    return hooked + _weigh_sharded(runtime, weight * runtime.world_size)
+
+
+def _weigh_sharded(runtime: Any, factor: float) -> int:
+    """Weigh this rank's gradients of every FSDP2 module of the state (returns how
+    many). FSDP2 averages them over the ranks in its reduce-scatter and has no hook for
+    one rank's part, so the gradient flowing into the module's output is scaled by
+    ``factor`` (``weight x world size``) instead: backward is linear in it. A loss term
+    computed from the parameters outside the module's output (a hand-written weight
+    penalty) is not weighed. Once per module object: the script builds new ones in a
+    world of another size."""
+    entries = dict(iter(runtime.state))
+    names = _sharded_entries(runtime)
+    for name in names:
+        module = entries[name]
+        if getattr(module, "_checkpointless_weighed", None) is None:
+            module._checkpointless_weighed = module.register_full_backward_pre_hook(
+                lambda _m, grads, f=factor: tuple(None if g is None else g * f for g in grads))
+    return len(names)
 
 
 def _weighted_sum(state, bucket):  # type: ignore[no-untyped-def]

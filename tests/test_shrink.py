@@ -213,7 +213,7 @@ def test_a_second_node_lost_after_a_shrink_shrinks_it_again(tmp_path, tmp_path_f
     sizes = _assert_same_samples(_steps(reference), _steps(out), epochs, configured=6)
     assert _size_runs(sizes) == [6, 4, 2], f"world sizes step by step: {sizes}"
     first = min(e["gen"] for e in job.events("world_resized"))
-    weighted = {e["rank"]: e["weighted_ddps"] for e in job.events("recovery")
+    weighted = {e["rank"]: e["weighted_modules"] for e in job.events("recovery")
                 if e["gen"] == first}
     assert weighted == {0: 1, 1: 1, 2: 1, 3: 1}, weighted  # the uneven 4-rank world
     finals, ref_finals = _finals(out), _finals(reference)
@@ -255,9 +255,9 @@ FSDP2_SCRIPT = "tests/launcher_scripts/shrink_fsdp2_loop.py"
 
 
 def _run_fsdp2(tmp: Path, *overrides: str, mesh: str = "1d", epochs: int = EPOCHS,
-               sleep: float = 0.0, **kw):
+               sleep: float = 0.0, nnodes: int = 2, **kw):
     out = tmp / "out"
-    job = run_job(tmp / "run", nnodes=2, timeout_s=200, script=FSDP2_SCRIPT,
+    job = run_job(tmp / "run", nnodes=nnodes, timeout_s=200, script=FSDP2_SCRIPT,
                   script_args=("--out", str(out), "--epochs", str(epochs), "--batch",
                                str(BATCH), "--samples", str(SAMPLES), "--mesh", mesh,
                                "--sleep", str(sleep)),
@@ -307,6 +307,30 @@ def test_fsdp2_state_is_resharded_in_memory_bit_for_bit(tmp_path, tmp_path_facto
             f"one step {step - 1} ended with at {sizes[step - 1]}")
     finals = _finals(out)
     assert sorted(finals) == [0, 1, 2, 3] and len({f["digest"] for f in finals.values()}) == 1
+
+
+def test_an_uneven_fsdp2_split_weighs_each_ranks_gradients(tmp_path, tmp_path_factory):
+    """3 nodes x 2, FSDP2, node 2 lost: 6 -> 4 ranks, an uneven split (ranks 0 and 1
+    take two ranks' batches, ranks 2 and 3 one). Each rank's gradient is weighed by what
+    it took, so the optimizer sees the failure-free run's gradient in exact arithmetic:
+    the final weights are within a rounding tolerance of the failure-free 6-rank run's
+    (measured without the weighting: a deviation of 6, relative, on near-zero weights)."""
+    ref_job, ref = _run_fsdp2(tmp_path_factory.mktemp("fsdp2_ref6"), nnodes=3)
+    assert_succeeded(ref_job)
+    job, out = _run_fsdp2(tmp_path, "replication.every_n_steps=2", "recovery.spare_wait_s=0.5",
+                          "recovery.fault=4:9:backward:node", *FAST, nnodes=3)
+    assert_succeeded(job, except_nodes=(2,))
+    sizes = _assert_same_samples(_steps(ref), _steps(out), EPOCHS, configured=6)
+    assert _size_runs(sizes) == [6, 4], sizes
+    first = min(e["gen"] for e in job.events("world_resized") if "gen" in e)
+    weighted = {e["rank"]: e["weighted_modules"] for e in job.events("recovery")
+                if e["gen"] == first}
+    assert weighted == {0: 1, 1: 1, 2: 1, 3: 1}, weighted
+    finals, ref_finals = _finals(out), _finals(ref)
+    assert sorted(finals) == [0, 1, 2, 3]
+    dev = _max_rel_dev(finals[0]["weights"], ref_finals[0]["weights"])
+    print(f"final_max_rel_dev {dev:.3e}")
+    assert dev < 1e-4, f"final weights deviate by {dev:.3e} from the failure-free run"
 
 
 def test_an_fsdp2_job_that_lost_every_copy_of_a_shard_stops_with_one_line(tmp_path):

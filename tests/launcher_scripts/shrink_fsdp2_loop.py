@@ -92,8 +92,10 @@ def main() -> None:
                 time.sleep(args.sleep)
     log.close()
     final = full_digest(model, opt)
+    weights = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
     with open(os.path.join(args.out, f"final_slot{cl.slot}.json"), "w") as f:
-        json.dump({"slot": cl.slot, "world": world, "step": cl.step, "digest": final}, f)
+        json.dump({"slot": cl.slot, "world": world, "step": cl.step, "digest": final,
+                   "weights": weights.tolist()}, f)
     dist.destroy_process_group()
 
 
