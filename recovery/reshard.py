@@ -1,29 +1,34 @@
-"""FSDP2 state resharded in memory when the job's world shrinks (ADR 0035).
+"""FSDP2 state resharded in memory when the job's world changes size (ADR 0035).
 
 Data-parallel state is any rank's, so a shrink restores each survivor's own snapshot.
-FSDP2 state is not: rank ``i`` of ``N`` holds rows ``[i*c, (i+1)*c)`` of every sharded
-parameter and of its optimizer state (``c = ceil(rows / N)``, torch.chunk's split along
-dim 0, as ``fully_shard`` makes it), and at ``M`` ranks every rank needs other rows. The
-rows of the ranks that were lost live on in the survivors' replicas of them. So, at the
-committed step:
+FSDP2 state is not: the holder of shard ``i`` of ``S`` has rows ``[i*c, (i+1)*c)`` of
+every sharded parameter and of its optimizer state (``c = ceil(rows / S)``, torch.chunk's
+split along dim 0, as ``fully_shard`` makes it). In 1-D FSDP2 rank ``i`` holds shard
+``i``; in HSDP (replicate x shard) rank ``r`` holds shard ``r % S``, as does every other
+replica group. At another size every rank needs other rows. The rows of the ranks that
+were lost live on in the survivors' replicas of them. So, at the committed step:
 
 1. each survivor decodes the old ranks' states it holds (its own snapshot, and its
-   replicas), verified segment by segment;
-2. one all-gather says who holds which old rank; the lowest holder provides it (an old
-   rank nobody holds makes the resharding impossible, said in one line);
-3. for every sharded tensor, in the same order on every rank (the keys of the rank's own
-   old state), each old shard is broadcast from its provider and every rank keeps the
-   rows of its new shard: one shard in flight at a time, so the memory on top of the
-   state is one old shard, not the full model;
+   replicas), verified segment by segment; a rank that holds nothing (a node that
+   joined the job, or a process lost with a node) takes part all the same;
+2. one all-gather says who holds which old rank; the lowest holder of each old shard
+   provides it (a shard nobody holds makes the resharding impossible, said in one line);
+3. for every sharded tensor, in the same order on every rank (the keys of the
+   unsharded state below), each old shard is broadcast from its provider and every rank
+   keeps the rows of its new shard (its index on the new mesh's sharding dimension):
+   one shard in flight at a time, so the memory on top of the state is one old shard,
+   not the full model;
 4. everything that is not sharded (buffers, the scheduler, RNG, the data position) is
-   the rank's own old state; the new state is restored into the objects the script
-   built at the new size, and committed again as the same step in the new layout.
+   the rank's own old state, or, for a rank that holds nothing, the lowest holder's
+   (one object broadcast, its shards left out); the new state is restored into the
+   objects the script built at the new size, and committed again as the same step in
+   the new layout.
 
-The result is exact: the full parameters and optimizer state after the shrink equal
-those before it, bit for bit (``tests/test_shrink.py``). The broadcasts send each old
-shard to every rank, a full state's bytes per rank (a point-to-point plan would send
-each only the rows it needs). Only 1-D FSDP2 (``Shard(0)`` on one mesh dimension) is
-resharded; HSDP and other placements are refused before the job shrinks.
+The result is exact: the full parameters and optimizer state after a shrink or a grow
+equal those before it, bit for bit (``tests/test_shrink.py``). The broadcasts send each
+old shard to every rank, a full state's bytes per rank (a point-to-point plan would send
+each only the rows it needs). Only ``Shard(0)`` placements are resharded (1-D FSDP2 and
+HSDP); others are refused before the job shrinks.
 """
 
 from __future__ import annotations
