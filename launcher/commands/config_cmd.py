@@ -1,4 +1,5 @@
-"""``checkpointless config show|validate``: resolve a recipe exactly as ``run`` would.
+"""``checkpointless config show|validate|reference``: resolve a recipe exactly as ``run``
+would, or print the reference page of every key.
 
 Both take the same inputs as ``run`` (recipe, ``CHECKPOINTLESS_*`` env, ``key=value``)
 so a user can see, before spending a GPU allocation, what the job will actually use.
@@ -49,6 +50,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_common(validate)
     validate.set_defaults(handler=_validate)
 
+    reference = actions.add_parser(
+        "reference",
+        help="print the reference of every key (Markdown), generated from the schema",
+        description="Print docs/reference/configuration.md: every key, its type, default, "
+        "allowed values, environment variable and meaning.",
+    )
+    reference.set_defaults(handler=_reference)
+
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -87,6 +96,13 @@ def _show(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     _load(args, args.recipe, list(args.overrides))
     print("ok")
+    return 0
+
+
+def _reference(_args: argparse.Namespace) -> int:
+    from recovery.recipe.reference import reference_markdown
+
+    print(reference_markdown(), end="")
     return 0
 
 
