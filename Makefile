@@ -9,12 +9,12 @@ NEMO_VENV  := .venv-nemo
 NEMO_PY    := $(NEMO_VENV)/bin/python
 NEMO_STAMP := $(NEMO_VENV)/.setup-stamp
 # The CPU wheel of torch; a newer or unpinned torch would pull a multi-GB CUDA build.
-# GPU users: see README.md ("Installing on GPU hosts").
+# GPU users: see docs/guide/install.md ("Installing on GPU hosts").
 TORCH_SPEC ?= torch==2.13.0
 # `.ci/run` sets SUITE_BUDGET=--warn-over=900: a warning when the main suite passes 15 min.
 SUITE_BUDGET ?=
 
-.PHONY: setup setup-nemo bytecode demo test test-nemo test-fast test-slow bench lint clean
+.PHONY: setup setup-nemo bytecode demo docs test test-nemo test-fast test-slow bench lint clean
 
 setup: $(STAMP)
 	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
@@ -46,8 +46,14 @@ demo: setup
 # CPU it did, and with two workers the cores sat idle 28 % of the run while tests waited
 # on heartbeat and join timeouts. Budget 12 minutes (docs/testing.md); every test
 # tolerates the other files' load.
+# The user guide: a static site in build/docs, every warning an error (a broken link
+# between pages, a page in no table of contents).
+docs: setup
+	$(PY) -m sphinx -W --keep-going -n -q -b html docs build/docs
+
 test: setup setup-nemo
 	$(PY) -m ruff check .
+	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory bytecode
 	rm -f build/pytest-main.xml build/pytest-nemo.xml
 	$(PY) -m pytest -q -n 3 --dist loadfile --junitxml=build/pytest-main.xml

@@ -124,7 +124,7 @@ def tables(r: dict) -> str:
 
 
 def readme(r: dict) -> str:
-    """The short version for README.md (pasted there by hand)."""
+    """The short version for docs/guide/performance.md (pasted there by hand)."""
     loads = r.get("load_avg_1m", [])
     dev = r.get("goodput_curve", {})
     lines = [

@@ -207,7 +207,7 @@ def install_exit_guard() -> None:
     and wait out their pending operations (up to the collective timeout). If any are
     held, the guard flushes output and ends the process at once, with status 1 after an
     unhandled exception and 0 otherwise (``sys.exit(n)`` codes after training are not
-    seen here; see the README).
+    seen here; see docs/guide/limits.md).
     """
     previous = sys.excepthook
 

@@ -217,7 +217,7 @@ def test_quorum_lost_for_a_few_seconds_training_goes_on(tmp_path, cluster, refer
     steps = job.events("step")
     during = {e["step"] for e in steps if marks["lost"] + 0.5 < e["ts"] < marks["back"]}
     print(f"steps trained without quorum: {len(during)} in "
-          f"{marks['back'] - marks['lost']:.1f}s")  # the figure quoted in the README
+          f"{marks['back'] - marks['lost']:.1f}s")  # the figure quoted in docs/guide/running.md
     assert len(during) >= 3, (f"training stalled while etcd had no quorum: steps "
                               f"{sorted(during)} in {marks['back'] - marks['lost']:.1f}s")
     assert any(e["ts"] > marks["back"] for e in steps), "the job ended before quorum came back"

@@ -78,7 +78,7 @@ def test_user_ddp_survives_a_kill(tmp_path, reference, fault):
         assert workers[1] <= workers[0], (
             f"rank {rank}: {workers[1]} gloo worker threads at the end against {workers[0]} "
             f"before the failure: a failed generation's group is still alive\n{after}")
-        # Known leftover (README): the abandoned replication round keeps its channel's
+        # Known leftover (docs/guide/limits.md): the abandoned replication round keeps its channel's
         # idle event-loop thread until its commit wait ends, plus the runtime's reaper.
         assert len(after) <= len(before) + 2, (
             f"rank {rank}: threads before the failure {before}, at the end {after}")

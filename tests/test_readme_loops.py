@@ -1,12 +1,11 @@
-"""Every Python block of the README runs as written.
+"""Every Python block of the README and of the guide's loop page runs as written.
 
-The two training loops ("Make a plain PyTorch loop recoverable", "Keep your DDP loop")
-run under the launcher with a worker killed; the replacement snippet runs as a plain
-script, as a first process and as a replacement. Each is extracted from README.md and
-run with a prelude that defines only the names the
-README leaves to the reader (``MyDataset``, ``dataset``, ``build_model``, ``loss_fn``)
-and the imports it assumes. A snippet that stops working, or drifts from the API, fails
-here.
+The training loops (the README's, and the guide's plain and DDP loops in
+docs/guide/loops.md) run under the launcher with a worker killed; the replacement
+snippet runs as a plain script, as a first process and as a replacement. Each is
+extracted from its page and run with a prelude that defines only the names the page
+leaves to the reader (``MyDataset``, ``dataset``, ``build_model``, ``loss_fn``) and the
+imports it assumes. A snippet that stops working, or drifts from the API, fails here.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ loss_fn = nn.functional.mse_loss
 '''
 
 
-def _snippet(section: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def _snippet(section: str, page: str = "docs/guide/loops.md") -> str:
+    text = (ROOT / page).read_text()
     start = text.index(section)
     block = re.search(r"```python\n(.*?)```", text[start:], re.S)
     assert block is not None, f"no Python block after {section!r}"
@@ -48,12 +47,13 @@ def _snippet(section: str) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("section", [
-    "## Make a plain PyTorch loop recoverable",
-    "### Keep your DDP loop",
+@pytest.mark.parametrize("page,section", [
+    ("README.md", "## Three ways to use it"),
+    ("docs/guide/loops.md", "## A plain loop"),
+    ("docs/guide/loops.md", "## Keep your DDP or FSDP2 loop"),
 ])
-def test_the_readme_loop_runs_as_written(tmp_path, section):
-    code = _snippet(section)
+def test_the_documented_loop_runs_as_written(tmp_path, page, section):
+    code = _snippet(section, page)
     assert "cl.epochs(" in code and "cl.training_step()" in code, code
     script = tmp_path / "snippet.py"
     script.write_text(PRELUDE + "\n" + code)
