@@ -140,7 +140,8 @@ class SlurmCluster:
              f"--key-file={key}", f"--pid-file={self.root / 'munged.pid'}",
              f"--log-file={self.root / 'munged.log'}",
              f"--seed-file={self.root / 'munged.seed'}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True))  # its own group: close() kills it with the others
         deadline = time.monotonic() + 10
         while not (self.root / "munge.sock").exists():
             if time.monotonic() > deadline or self.procs[-1].poll() is not None:
@@ -222,6 +223,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()  # in case it leads no group of its own
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         if self.lab is not None:
