@@ -214,22 +214,30 @@ BENCHES = {
     "bench_node_loss": {
         "title": "Node loss with the store in node 0 (c10d) or in etcd",
         "accept": {
+            "node_loss_recovery_s": ("<=", 5.0),
+            "partition_recovery_s": ("<=", 8.0),
             "node0_loss_recovered": ("==", True),
             "node0_loss_bit_identical": ("==", True),
             "etcd_over_c10d_node_loss": ("<=", 1.5),
             "slurm_over_plain_node_loss": ("<=", 1.2),
             "slurm_node_loss_bit_identical": ("==", True),
         },
-        "note": "One 2-node x 2-worker job with a spare node, heartbeat timeout 3 s "
-                "(interval 0.5 s), runs in one invocation: node 1 SIGKILLed under "
+        "note": "One 2-node x 2-worker job with a spare node, at the default liveness "
+                "settings (heartbeat timeout 15 s, interval 1 s), runs in one invocation: "
+                "node 1 SIGKILLed under "
                 "c10d and under etcd (3 members on loopback), node 0 SIGKILLed under "
                 "etcd (under c10d that ends the job), node 1's link cut in network "
                 "namespaces with etcd in a namespace of its own, and node 1 SIGKILLed in "
                 "a job under Slurm, with its failure-free reference. Recovery is measured "
                 "from the kill (or the cut) to the last rank's first step after the "
-                "recovery. Detection is about one heartbeat timeout (3.0-3.2 s here); "
-                "the rest is the replacement workers' start on the spare node and the "
-                "rendezvous. etcd shares the host's 2 cores with the job; real etcd "
+                "recovery. A killed node is detected from its agent's closed connections "
+                "(about two heartbeat intervals: 2.2-2.4 s in the run below, 2026-11-28); "
+                "a cut link closes nothing, so the partitioned node is detected at the "
+                "heartbeat timeout (14.7 s): `partition_recovery_s` misses its 8 s target "
+                "(no signal other than silence is built for it yet). The rest is the "
+                "replacement workers' start on the spare node and the rendezvous. Before "
+                "this run the benchmark ran at a 3 s timeout (detection 3.0-3.2 s). "
+                "etcd shares the host's 2 cores with the job; real etcd "
                 "members on their own machines and real network latency are not "
                 "captured. Quick mode compares node 0's run with the c10d recovered run, "
                 "not with a failure-free one (the test suite does that: "

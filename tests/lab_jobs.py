@@ -33,10 +33,12 @@ STORE_PORT = 29400  # any port: each namespace is a fresh network stack
 
 def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: int,
                timeout_s: float, during: Callable[[Path], None] | None = None,
-               etcd: str | None = None) -> JobResult:
+               etcd: str | None = None,
+               overrides: tuple[str, ...] = FAST_DETECTION) -> JobResult:
     """:func:`tests.recovery_harness.run_job`, with node ``n``'s agent in namespace ``n``
     and the endpoint on node 0's veth address (no loopback anywhere); with ``etcd``
-    (``HOST:PORT,...``) the job's store is that etcd cluster instead."""
+    (``HOST:PORT,...``) the job's store is that etcd cluster instead. ``overrides``:
+    the recipe's, a 3 s heartbeat timeout unless given."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**clean_env(), "CHECKPOINTLESS_JOB_SECRET": SECRET}
     endpoint = f"{lab.addr(0)}:{STORE_PORT}"
@@ -50,7 +52,7 @@ def run_in_lab(lab: netns.NetLab, run_dir: Path, *, nnodes: int, spare_nodes: in
             cmd = agent_command(node_rank=node, nnodes=nnodes, nproc=2, run_dir=run_dir,
                                 endpoint=endpoint, rdzv_id=f"part{os.getpid()}-{run_dir.name}",
                                 spares=0,
-                                overrides=FAST_DETECTION, script="examples/train_gpt.py",
+                                overrides=overrides, script="examples/train_gpt.py",
                                 script_args=SCRIPT_ARGS, etcd=etcd)
             out, err = logs / f"agent{node}.out", logs / f"agent{node}.err"
             with open(out, "wb") as fo, open(err, "wb") as fe:
