@@ -10,9 +10,17 @@ watches (:class:`PeerLinks`), reading nothing but the end of the stream. When th
 connection ends (end of stream, a reset, or a refused reconnection), the watcher notes
 the time; :class:`launcher.liveness.PeerWatch` declares the node lost once its heartbeat
 has not grown for a short confirmation since (two heartbeat intervals), unless the
-agent said it finished. What does not close a connection is judged by the heartbeat
-timeout as before: a stopped or starved process (its kernel keeps the socket open, so
-no false loss), a machine powered off, a network cut.
+agent said it finished. A stopped or starved process closes nothing (its kernel keeps
+the socket open), so it is never a loss by this path: the heartbeat timeout judges it as
+before.
+
+A machine cut off from the network, or powered off, closes nothing either, but its
+kernel stops answering. Every held connection has TCP keepalive on, at a short period:
+a peer's kernel answers the probes whatever its agent does (stopped, starved, busy),
+and a silent one fails the connection after about
+``KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S`` (4 s), which ends the link
+as above; with its heartbeat silent too, the node is lost about 6 s after the cut,
+whatever the heartbeat timeout.
 
 Nothing is read from a connection or trusted from it: its end is the only signal, and a
 stranger can neither open nor close a watcher's connection to the genuine peer, whose
@@ -28,6 +36,9 @@ import threading
 import time
 
 CONNECT_TIMEOUT_S = 2.0
+#: TCP keepalive on held connections: probes after 1 s of quiet, every 1 s, 3 unanswered
+#: end the connection (answered by the peer's kernel, not its agent: see the module).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 1, 1, 3
 #: Connections a listener holds at most (a watcher holds one; a stranger opening many
 #: only pushes the oldest out, which its watcher sees end and then reconnects).
 MAX_HELD = 64
@@ -112,6 +123,7 @@ class PeerLinks:
                     self._epoch.pop(n)  # the next watch() tries again
             return
         conn.settimeout(None)
+        _keepalive(conn)
         with self._lock:
             if self._epoch.get(n) != epoch:
                 conn.close()
@@ -130,3 +142,13 @@ class PeerLinks:
                 self._closed.setdefault(n, time.monotonic())
                 if conn is not None and self._conns.get(n) is conn:
                     del self._conns[n]
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """Short-period TCP keepalive (where the platform has the options; Linux does)."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

@@ -4,8 +4,9 @@
 bridge; cutting a node's link stops its packets both ways while its processes keep
 running, and no peer ever sees a FIN or an RST (the smoke test proves that on a plain
 TCP connection). The job test then cuts node 1 of a 2-node job with a spare node in
-the middle of training: its loss must be detected by heartbeat timeout alone, node 1
-must fence itself (its workers stop; its agent leaves with EXIT_FENCED once the link is
+the middle of training: its loss must be detected (at a 3 s heartbeat timeout, before
+ADR 0036's keepalives end the connections; a second test runs at the default timeout,
+where they do), node 1 must fence itself (its workers stop; its agent leaves with EXIT_FENCED once the link is
 back and it sees the takeover), the spare node runs its ranks, and the job must end
 bit-identical to a failure-free run of the same job in the same namespaces.
 
@@ -224,6 +225,37 @@ def test_partitioned_node_is_fenced_and_the_job_recovers(lab, tmp_path):
           f"{recovered:.2f}s after the cut ({recovered - detect:.2f}s after detection); "
           f"link restored at {marks['restore'] - marks['cut']:.2f}s")
     assert 2.5 < detect < 10, f"detection took {detect:.2f}s with a 3 s heartbeat timeout"
+
+
+def test_a_partition_is_detected_before_the_heartbeat_timeout(lab, tmp_path):
+    """At the default liveness settings (heartbeat timeout 15 s), cut node 1's link at
+    step 3: the watchers' held connections to its agent fail their TCP keepalive (its
+    kernel answers nothing), and with its heartbeat silent too it is declared lost in
+    about 6 s, not 15 (``launcher/peer_link.py``). Its ranks move to the spare node and
+    the job finishes. A stopped agent, whose kernel still answers, is the control
+    (``tests/test_peer_link.py``)."""
+    marks: dict[str, float] = {}
+
+    def partition(run_dir: Path) -> None:
+        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
+                                             for e in ev), "training to reach step 3")
+        marks["cut"] = time.time()
+        lab.cut(1)
+        wait_events(run_dir, _recovered_with([2, 3]),
+                     "the recovery with ranks 2, 3 on the spare node")
+        lab.restore(1)
+
+    job = run_in_lab(lab, tmp_path / "run", nnodes=2, spare_nodes=1, timeout_s=150,
+                     during=partition, overrides=())
+    assert_succeeded(job, except_nodes=(1,))
+    assert sorted(job.finals()) == [0, 1, 2, 3]
+    lost = job.events("node_lost")
+    assert lost and {e["lost_node"] for e in lost} == {1}, lost
+    detect = min(e["ts"] for e in lost) - marks["cut"]
+    print(f"\npartition of node 1 at the default 15 s heartbeat timeout: declared lost "
+          f"{detect:.2f}s after the cut")
+    assert "its agent's connection closed" in job.agents[0].stderr, job.output()
+    assert detect <= 8.0, f"a partition took {detect:.2f}s to detect (target 8 s)"
 
 
 # --- (c) under etcd: the node that hosted the store under c10d is an ordinary node ------
