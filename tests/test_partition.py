@@ -6,8 +6,9 @@ running, and no peer ever sees a FIN or an RST (the smoke test proves that on a 
 TCP connection). The job test then cuts node 1 of a 2-node job with a spare node in
 the middle of training: its loss must be detected (at a 3 s heartbeat timeout, before
 ADR 0036's keepalives end the connections; a second test runs at the default timeout,
-where they do), node 1 must fence itself (its workers stop; its agent leaves with EXIT_FENCED once the link is
-back and it sees the takeover), the spare node runs its ranks, and the job must end
+where they do), node 1 must fence itself (its workers stop; its agent leaves with
+EXIT_FENCED once the link is back and it sees the takeover), the spare node runs its
+ranks, and the job must end
 bit-identical to a failure-free run of the same job in the same namespaces.
 
 Needs root for ``ip netns``: skipped otherwise, unless ``TESTS_REQUIRE_NETNS=1`` (CI).
