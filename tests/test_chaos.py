@@ -231,6 +231,17 @@ time.sleep(120)
 """
 
 
+def test_false_losses_count_nodes_found_alive_once_each():
+    """A node declared lost that was alive shows as fenced (after a takeover) or back
+    (before one, seen by every watcher): each counts once; a killed node counts 0."""
+    ev = [{"event": "node_lost", "lost_node": 1}, {"event": "node_lost", "lost_node": 2},
+          {"event": "node_returned", "lost_node": 2, "group": 2, "node": 0},
+          {"event": "node_returned", "lost_node": 2, "group": 2, "node": 1},
+          {"event": "node_fenced", "node": 3, "group": 1}]
+    assert metrics.false_losses(ev) == 2
+    assert metrics.false_losses(ev[:2]) == 0
+
+
 def test_cleanup_finds_orphans_in_other_sessions():
     """A process whose parent died and that lives in a session of its own is outside
     every process group and parent link of ours; the token still finds it."""

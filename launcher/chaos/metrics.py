@@ -242,3 +242,13 @@ def breakdown(incs: Sequence[Incident]) -> dict[str, float]:
 def young_interval_s(save_s: float, mtbf_s: float) -> float:
     """Young's optimal checkpoint interval ``sqrt(2 * C * MTBF)``."""
     return (2.0 * max(save_s, 1e-6) * mtbf_s) ** 0.5
+
+
+def false_losses(events: Sequence[Record]) -> int:
+    """Nodes declared lost that were alive: each one fenced after a takeover
+    (``node_fenced``, from the node itself) or back before any (``node_returned``, one
+    per lost node and group, whoever saw it). A node a fault killed is never either."""
+    fenced = [e for e in events if e.get("event") == Event.NODE_FENCED]
+    returned = {(e.get("lost_node"), e.get("group")) for e in events
+                if e.get("event") == Event.NODE_RETURNED}
+    return len(fenced) + len(returned)

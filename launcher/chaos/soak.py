@@ -264,6 +264,7 @@ def _chaos_figures(spec: JobSpec, sched: Schedule, ref: RunResult, chaos: RunRes
         "unplanned_recoveries": sum(not i.planned for i in incs),
         "recoveries_in_process": len(rec_gens - fallback_gens),
         "fallbacks_to_durable": metrics.count_fallbacks(ev),
+        "false_losses": metrics.false_losses(ev),
         "bit_identical": same,
         "spare_nodes_started": chaos.restarts,
         "max_threads_per_process": {"reference": ref.max_threads, "chaos": chaos.max_threads},
