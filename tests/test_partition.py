@@ -255,7 +255,9 @@ def test_a_partition_is_detected_before_the_heartbeat_timeout(lab, tmp_path):
     detect = min(e["ts"] for e in lost) - marks["cut"]
     print(f"\npartition of node 1 at the default 15 s heartbeat timeout: declared lost "
           f"{detect:.2f}s after the cut")
-    assert "its agent's connection closed" in job.agents[0].stderr, job.output()
+    # whichever watcher saw it first says why (the others learn it from its publication)
+    assert any("its agent's connection closed" in a.stderr for a in job.agents.values()), (
+        job.output())
     assert detect <= 8.0, f"a partition took {detect:.2f}s to detect (target 8 s)"
 
 
