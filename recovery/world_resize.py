@@ -268,10 +268,10 @@ def publish_resizability(runtime: Any) -> None:
     that changes: the agents shrink a job only if it can, and stop it otherwise."""
     if runtime.rank != 0 or not runtime.env.launched:
         return
-    why = why_not_resizable(runtime)
-    if getattr(runtime, "_resizability_said", ()) != (why, why):
+    why = why_not_resizable(runtime)  # shrinking and growing back alike
+    if getattr(runtime, "_resizability_said", ()) != (why,):
         world.record_resizability(runtime.store, why, why)
-        runtime._resizability_said = (why, why)
+        runtime._resizability_said = (why,)
 
 
 def refuse_unless_resizable(runtime: Any, new: world.World) -> None:

@@ -12,7 +12,6 @@ import signal
 
 import pytest
 
-from replication import contract
 from tests.helpers.mp import free_port
 from tests.launcher_scripts.harness import WORKER, Agents, events, records, wait_for
 
@@ -69,16 +68,3 @@ def test_spare_node_takes_over_a_lost_node(agents, tmp_path):
     # over: a takeover always starts a fresh one (docs/adr/0010-fencing-a-node-taken-over.md).
     assert len(gens) in (1, 2), declared
     assert any(e["node"] == 2 and e["gen"] == max(gens) for e in declared), declared
-
-
-def test_lost_node_without_a_spare_node_fails_the_job(agents, tmp_path):
-    (tmp_path / "out").mkdir()
-    out, port = tmp_path / "out", free_port()
-    node0 = node(agents, tmp_path, 0, port)
-    node1 = node(agents, tmp_path, 1, port)
-    wait_for(lambda: all(records(out, r) for r in range(4)), 60, "all four ranks to start")
-    os.killpg(node1.pid, signal.SIGKILL)
-    assert agents.wait(node0) == contract.EXIT_RETRY  # no spare node: a new run can go on
-    assert "node 1 lost (ranks [2, 3]) and no spare node took them over" in agents.log(node0)
-    assert "(exit 75: a new run can go on, from the newest durable checkpoint" in \
-        agents.log(node0)

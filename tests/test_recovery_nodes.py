@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from recovery.protocol import read_events
+from replication import contract
 from tests.recovery_harness import (
     TRAIN_ARGS,
     assert_failed_cleanly,
@@ -235,6 +236,9 @@ def test_node_lost_without_spare_node_stops_the_job(tmp_path):
                   overrides=["recovery.fault=2:8:snapshot:node", *FAST_DETECTION])
     assert job.returncodes[1] == -9, job.returncodes
     assert_failed_cleanly(job)
+    assert job.returncodes[0] == contract.EXIT_RETRY, job.returncodes  # a new run can go on
+    assert "(exit 75: a new run can go on, from the newest durable checkpoint" in \
+        job.agents[0].stderr, job.output()
     reason = stop_reason(job)
     assert "node 1" in reason and "no spare node" in reason, reason or job.output()
     assert "[2, 3]" in reason, reason
