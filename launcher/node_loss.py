@@ -163,7 +163,7 @@ class NodeLossHandling:
         rank 0 found about its state and loader (:mod:`recovery.world_resize`)."""
         if self.rcfg.on_no_spare != "shrink":
             return "recovery.on_no_spare is stop"
-        known, why, _ = world.resizability(self.store)
+        known, why = world.resizability(self.store)
         return why if known else "its ranks have not said yet whether they can"
 
     def _shrink(self, group: int, lost: LostGroup) -> None:
@@ -218,7 +218,7 @@ class NodeLossHandling:
             return
         owners = membership.owners(self.store, self.args.nnodes)
         retired = sorted(g for g, owner in owners.items() if owner == world.RETIRED)
-        _, _, why_not = world.resizability(self.store)
+        _, why_not = world.resizability(self.store)
         if retired and why_not is not None:
             if not getattr(self, "_said_no_grow", False):
                 self._said_no_grow = True

@@ -97,9 +97,8 @@ def same_local_shapes(state: Any, own: dict[str, Any]) -> bool:
             for pid, entry in own[name].get("state", {}).items():
                 p = params[pid]
                 for value in entry.values():
-                    if is_sharded(p) and isinstance(value, torch.Tensor) and \
-                            value.ndim == p.ndim and tuple(value.shape) != tuple(
-                                p.to_local().shape):
+                    if _sharded_value(p, value) and tuple(value.shape) != tuple(
+                            p.to_local().shape):
                         return False
     return True
 

@@ -130,25 +130,23 @@ def publish(store: dist.Store, world: World) -> World:
     return World(world.configured, world.slots, world.after_gen, version)
 
 
-def record_resizability(store: dist.Store, why_not: str | None,
-                        grow_why_not: str | None = None) -> None:
-    """Rank 0 says whether the job can go on at a smaller size and grow back (None) or
-    why not."""
-    auth.put(store, _RESIZABLE, json.dumps({"why_not": why_not, "grow_why_not": grow_why_not}))
+def record_resizability(store: dist.Store, why_not: str | None) -> None:
+    """Rank 0 says whether the job can change size, shrinking and growing back alike
+    (None), or why not."""
+    auth.put(store, _RESIZABLE, json.dumps({"why_not": why_not}))
 
 
-def resizability(store: dist.Store) -> tuple[bool, str | None, str | None]:
-    """``(known, why_not_shrink, why_not_grow)``: whether rank 0 said yet, and why the
-    job cannot shrink, and grow back (None: it can)."""
+def resizability(store: dist.Store) -> tuple[bool, str | None]:
+    """``(known, why_not)``: whether rank 0 said yet, and why the job cannot change
+    size (None: it can)."""
     payload = auth.read(store, _RESIZABLE)
     if payload is None:
-        return False, None, None
+        return False, None
     try:
-        d = json.loads(payload)
-        why, grow = d["why_not"], d.get("grow_why_not")
+        why = json.loads(payload)["why_not"]
     except (ValueError, KeyError, TypeError, AttributeError):
-        return False, None, None
-    return True, None if why is None else str(why), None if grow is None else str(grow)
+        return False, None
+    return True, None if why is None else str(why)
 
 
 def mark_laid_out(store: dist.Store, world: World) -> None:

@@ -270,7 +270,7 @@ def publish_resizability(runtime: Any) -> None:
         return
     why = why_not_resizable(runtime)  # shrinking and growing back alike
     if getattr(runtime, "_resizability_said", ()) != (why,):
-        world.record_resizability(runtime.store, why, why)
+        world.record_resizability(runtime.store, why)
         runtime._resizability_said = (why,)
 
 

@@ -152,6 +152,18 @@ def _recovered_with(ranks: list[int]) -> Callable[[list[dict]], bool]:
     return done
 
 
+def _cut_at_step_3(lab: netns.NetLab, run_dir: Path, node: int, marks: dict[str, float],
+                   ranks: list[int]) -> None:
+    """Once training reaches step 3, cut ``node``'s link (the time goes to
+    ``marks["cut"]``) and wait for the recovery that gives ``ranks`` to the spare node."""
+    wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
+                                         for e in ev), "training to reach step 3")
+    marks["cut"] = time.time()
+    lab.cut(node)
+    wait_events(run_dir, _recovered_with(ranks),
+                 f"the recovery with ranks {ranks} on the spare node")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -177,12 +189,7 @@ def test_partitioned_node_is_fenced_and_the_job_recovers(lab, tmp_path):
     marks: dict[str, float] = {}
 
     def partition(run_dir: Path) -> None:
-        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
-                                             for e in ev), "training to reach step 3")
-        marks["cut"] = time.time()
-        lab.cut(1)
-        wait_events(run_dir, _recovered_with([2, 3]),
-                     "the recovery with ranks 2, 3 on the spare node")
+        _cut_at_step_3(lab, run_dir, 1, marks, [2, 3])
         # and node 1 has stopped its workers on its own: with workers forked from the
         # zygote, the takeover can complete before node 1's lease runs out (ADR 0029)
         wait_events(run_dir, lambda ev: any(e.get("event") == "node_isolated" for e in ev),
@@ -238,12 +245,7 @@ def test_a_partition_is_detected_before_the_heartbeat_timeout(lab, tmp_path):
     marks: dict[str, float] = {}
 
     def partition(run_dir: Path) -> None:
-        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
-                                             for e in ev), "training to reach step 3")
-        marks["cut"] = time.time()
-        lab.cut(1)
-        wait_events(run_dir, _recovered_with([2, 3]),
-                     "the recovery with ranks 2, 3 on the spare node")
+        _cut_at_step_3(lab, run_dir, 1, marks, [2, 3])
         lab.restore(1)
 
     job = run_in_lab(lab, tmp_path / "run", nnodes=2, spare_nodes=1, timeout_s=150,
@@ -291,12 +293,7 @@ def test_partitioned_node_0_under_etcd_is_fenced_and_the_job_recovers(etcd_lab, 
     marks: dict[str, float] = {}
 
     def partition(run_dir: Path) -> None:
-        wait_events(run_dir, lambda ev: any(e.get("event") == "step" and e["step"] >= 3
-                                             for e in ev), "training to reach step 3")
-        marks["cut"] = time.time()
-        lab.cut(0)
-        wait_events(run_dir, _recovered_with([0, 1]),
-                     "the recovery with ranks 0, 1 on the spare node")
+        _cut_at_step_3(lab, run_dir, 0, marks, [0, 1])
         # and node 0 has stopped its workers on its own: with workers forked from the
         # zygote, the takeover can complete before node 0's lease runs out (ADR 0029)
         wait_events(run_dir, lambda ev: any(e.get("event") == "node_isolated" for e in ev),
