@@ -34,7 +34,11 @@ Figures (overhead = mean step time of the runtime's phase / plain's same phase -
   bookkeeping: step boundary checks, events) at 0.5 GB/s;
 - ``overhead_plain_default_<kind>``: the default job against plain, every step of it
   from its first (the probe's 64 steps at every 8 included) in the mean: what a user
-  pays over a run of :data:`DEFAULT_STEPS` steps; ``overhead_plain_default_steady_<kind>``:
+  pays over a run of :data:`DEFAULT_STEPS` steps. Its reference is plain's mean step at
+  0.5 GB/s taken twice, in the plain job before it and in a plain job right after it,
+  and averaged, so the host's drift over the minutes between cancels where it is
+  linear (``plain_drift_<kind>``: how far the second moved from the first);
+  ``overhead_plain_default_steady_<kind>``:
   the median over whole intervals, from step :data:`AUTO_WARM` on, of their mean step
   time (``default_intervals_timed_<kind>`` of them): the cost once the interval is
   chosen; ``default_interval_steps_<kind>``, ``auto_budget``,
@@ -77,16 +81,18 @@ from recovery.events import Event
 from recovery.protocol import read_events
 
 RATES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
-QUICK_RATES = (0.1, 0.5, 2.0)
+QUICK_RATES = (0.5, 2.0)
 KEY_RATE = 0.5
 AUTO_WARM = 96
 """Steps of the default job left out of its steady figure: the policy's probe (48
 steps) and its first agreement (global step 64, ``recovery.auto_interval.AGREE_EVERY``),
 with margin."""
-DEFAULT_STEPS = (384, 1120)
+DEFAULT_STEPS = (256, 1120)
 """The default job's steps (quick, full), its probe included."""
 AUTO_BUDGET = 0.02  # replication.max_overhead, its default
 """GB/s per rank of the headline keys (real LLM training under FSDP: 0.1 to 1)."""
+PLAIN_AFTER = "plainafter"
+"""The plain job run again after the default job, at the reference rate only."""
 WORKER = str(REPO / "benchmarks" / "overhead_worker.py")
 
 
@@ -167,15 +173,28 @@ def phases_for(kind: str, state_bytes: int, rates: tuple[float, ...], every_n: i
     return out
 
 
+def runs_phase(mode: str, name: str) -> bool:
+    """Which of the sweep's phases a job runs: the default job only its own (the sweep's
+    fixed intervals mean nothing under auto, and k2 times them); the plain job after it
+    the reference rate's plain phases again; the others all of them (each worker skips
+    the phases marked for other jobs)."""
+    if name == "warmup" or mode not in ("default", PLAIN_AFTER):
+        return True
+    if mode == "default":
+        return name.startswith("default_")
+    return name.endswith(f"_{KEY_RATE}") and not name.startswith(("dcp_", "default_"))
+
+
 def run_job(mode: str, kind: str, out: Path, phases: list[dict], args: argparse.Namespace,
             loads: list[dict]) -> dict:
     """One job: plain under torchrun, or k1/k2 under two ``checkpointless run`` agents."""
     tag = f"{mode}_{kind}"
-    common = ["--job", mode, "--kind", kind, "--out", str(out), "--tag", tag, "--phases",
+    job = "plain" if mode == PLAIN_AFTER else mode
+    common = ["--job", job, "--kind", kind, "--out", str(out), "--tag", tag, "--phases",
               json.dumps(phases), "--width", str(args.width), "--layers", str(args.layers)]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    if mode == "plain":
+    if job == "plain":
         dcp_dir = out / "dcp"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", WORKER, "--mode", "plain", "--dcp-dir", str(dcp_dir),
@@ -377,16 +396,15 @@ def main(argv: list[str] | None = None) -> None:
             phases = phases_for(kind, state_bytes, cpu_rates if kind == "cpu" else rates,
                                 args.every_n, batches, q, args.dcp_every)
             res = {}
-            # The default job right after plain: its figure is the smallest (a 2 %
-            # budget), so the host's drift between the two jobs would weigh most on it.
-            for mode in ("plain", "default", "k1", "k2"):
-                progress(f"{kind}: {mode} ({len(phases)} phases)")
+            # The default job between two plain ones: its figure is the smallest (a 2 %
+            # budget), so the host's drift over the minutes it runs would weigh most on
+            # it; the plain job after it runs the reference rate's phases again, and the
+            # reference is the mean of both (a linear drift cancels).
+            for mode in ("plain", "default", PLAIN_AFTER, "k1", "k2"):
+                mine = [p for p in phases if runs_phase(mode, p["name"])]
+                progress(f"{kind}: {mode} ({len(mine)} phases)")
                 out = Path(tmp) / f"{mode}_{kind}"
                 out.mkdir()
-                # The default job runs only its own phase (after the warm-up): the
-                # sweep's fixed intervals mean nothing under auto, and k2 times them.
-                mine = [p for p in phases if mode != "default"
-                        or p["name"] == "warmup" or p["name"].startswith("default_")]
                 res[mode] = run_job(mode, kind, out, mine, args, loads)
             per_kind[kind] = res
     result["load_avg_1m"] = loads
@@ -424,7 +442,10 @@ def main(argv: list[str] | None = None) -> None:
         result[f"dcp_save_cost_s_{kind}"] = (mean(dcp_ph["times"]) - key_plain) * args.dcp_every
         result[f"k2_snapshot_cost_s_{kind}"] = ovh[f"k2_everyN_{KEY_RATE}"] * key_plain * \
             args.every_n
-        result.update(default_figures(res["default"], kind, ref=key_plain))
+        after = plain_refs(res[PLAIN_AFTER])[str(KEY_RATE)]
+        result[f"plain_step_s_{kind}_{KEY_RATE}_after_default"] = after
+        result[f"plain_drift_{kind}"] = after / key_plain - 1
+        result.update(default_figures(res["default"], kind, ref=(key_plain + after) / 2))
 
     # -- where it pays: the goodput model, fed with this run's figures, per kind --------
     rec = recovery_inputs()

@@ -129,7 +129,8 @@ def readme(r: dict) -> str:
     dev = r.get("goodput_curve", {})
     lines = [
         "**What it costs, and when it pays.** Measured side by side against plain training "
-        "(`benchmarks/bench_overhead.py`; 2 ranks, 24 MiB of state each, this 2-core host, "
+        f"(`benchmarks/bench_overhead.py`; 2 ranks, {r['state_bytes'] / 2**20:.0f} MiB of state "
+        "each, this 2-core host, "
         f"load average {min(x['before'] for x in loads):.1f}-{r['load_avg_1m_max']:.1f}):",
         "",
         f"- On a GPU-like step (the host waits for the device) at 0.5 GB/s of state per rank, "
@@ -143,7 +144,8 @@ def readme(r: dict) -> str:
         f"{_pct(r['overhead_plain_k2_every1_cpu'])}; the default (`replication."
         "every_n_steps: auto`, which measures the cost and picks Daly's interval for the "
         "job's MTBF within `replication.max_overhead`) costs "
-        f"{_pct(r.get('overhead_plain_default_cpu'))} against the plain job run before it "
+        f"{_pct(r.get('overhead_plain_default_cpu'))} against plain jobs run before and "
+        "after it "
         f"(every {r.get('default_interval_steps_cpu')} steps; "
         f"{_pct(r.get('overhead_default_cpu_same_run'))} against the same run's own "
         "steps), and on GPU-like steps "

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from recovery import ddp_layout, elastic_controller, elastic_group, elastic_init
+from replication import work_waiter
 
 _graveyard: list[tuple[float, Any]] = []
 _reaper: threading.Thread | None = None
@@ -177,6 +178,8 @@ def holding() -> bool:
     with _graveyard_lock:
         if _graveyard:
             return True
+    if work_waiter.abandoned_waits():  # an aborted side channel's gloo wait, not ended
+        return True
     return elastic_controller.controller().holding()
 
 

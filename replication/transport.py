@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from replication.abortable_gloo import AbortableGloo
 from replication.errors import CheckpointlessError
+from replication.work_waiter import Abandoned, Waiters
 
 _POLL = datetime.timedelta(milliseconds=100)
 
@@ -67,8 +68,11 @@ def wait_polled(
 
 
 def _drop_group(group: AbortableGloo, pg: object) -> None:
-    """Release an aborted side-channel group (see :meth:`SideChannel.abort`); the last
-    references die here, so a destructor that waits blocks only this thread."""
+    """Release an aborted side-channel group (see :meth:`SideChannel.abort`). Its last
+    references die here: destroying a gloo group joins its worker threads, which lasts
+    until the timeout of an operation its abort did not end, and blocks only this
+    thread (torch releases the GIL in the destructor: measured, no other thread of the
+    process stops; ``tests/test_side_channel_teardown.py``)."""
     group.release()
     del pg
 
@@ -94,7 +98,9 @@ class SideChannel:
         self.rank = rank
         self.world_size = world_size
         self._aborted = False
+        self._lock = threading.Lock()  # issuing and aborting: nothing is issued after
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._waiters = Waiters("checkpointless-side-wait", self.timeout)
         self._group = AbortableGloo.create(dist.PrefixStore(prefix, store), rank, world_size,
                                            timeout_s, hostname)
         self.pg = self._group.backend
@@ -102,11 +108,25 @@ class SideChannel:
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of a same-shaped tensor."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._wait([self.pg.allgather([out], [tensor])], "allgather")
+        self._wait(self._issue(lambda pg: [pg.allgather([out], [tensor])], "allgather"),
+                   "allgather")
         return out
 
     def barrier(self) -> None:
-        self._wait([self.pg.barrier()], "barrier")
+        self._wait(self._issue(lambda pg: [pg.barrier()], "barrier"), "barrier")
+
+    def _issue(self, post: Callable[[object], list], what: str) -> list:
+        """The works ``post(group)`` posts; refused once the channel is aborted."""
+        failed = ""
+        with self._lock:
+            if self._aborted:
+                raise TransportError(f"replication {what} abandoned")
+            try:
+                return post(self.pg)
+            except RuntimeError as exc:  # gloo refuses to post on a pair a peer closed
+                failed = str(exc)
+        # raised out here, so no traceback holds the group
+        raise TransportError(f"replication {what} failed: {failed}")
 
     def post_send(self, buf: torch.Tensor, dst: int, tag: int, chunk_bytes: int) -> list:
         """Post the chunked send of a contiguous byte buffer; returns the works."""
@@ -115,13 +135,16 @@ class SideChannel:
     def post_send_pieces(self, pieces: Sequence[torch.Tensor], dst: int, tag: int) -> list:
         """Post the sends of one message made of several contiguous byte tensors (piece
         ``i`` with tag ``tag + i``); the receiver posts pieces of the same sizes."""
-        return [self.pg.send([c], dst, tag + i) for i, c in enumerate(pieces)]
+        return self._issue(lambda pg: [pg.send([c], dst, tag + i)  # type: ignore[attr-defined]
+                                       for i, c in enumerate(pieces)], "send")
 
     def post_recv_pieces(
         self, pieces: Sequence[torch.Tensor], src: int, tag: int
     ) -> list[tuple[object, torch.Tensor]]:
         """The receiving side of :meth:`post_send_pieces`: each work with its piece."""
-        return [(self.pg.recv([c], src, tag + i), c) for i, c in enumerate(pieces)]
+        works = self._issue(lambda pg: [pg.recv([c], src, tag + i)  # type: ignore[attr-defined]
+                                        for i, c in enumerate(pieces)], "receive")
+        return list(zip(works, pieces))
 
     def post_recv(self, buf: torch.Tensor, src: int, tag: int, chunk_bytes: int) -> list:
         """Post the chunked receive into a contiguous byte buffer; returns the works."""
@@ -138,30 +161,34 @@ class SideChannel:
         self._wait(works, what)
 
     def abort(self) -> None:
-        """Make every wait on this channel give up now: later ones at once, and one
-        already blocked in gloo as its sockets are shut down (:mod:`.abortable_gloo`)."""
-        self._aborted = True
-        self._group.abort()
+        """Make every wait on this channel give up now, later ones at once: its sockets
+        are shut down (:mod:`.abortable_gloo`: the peers' operations on them fail), and
+        every caller waiting here is released, whether gloo ends its operation or not
+        (:mod:`.work_waiter`)."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            group, pg = self._group, self.pg
+            self.pg = None
+        group.abort()
+        self._waiters.abandon()
         # Drop the group: an abandoned round's thread may still hold this channel while
-        # it waits for a commit, and the group's threads must not live that long. The
-        # drop happens on a thread of its own: destroying a gloo group joins its worker
-        # threads, and if an operation is still pending (the shutdown missed one of its
-        # sockets), that join lasts until the operation's timeout. A CI soak saw a
-        # recovery's teardown wait the full 120 s replication timeout here.
-        group, pg = self._group, self.pg
-        self.pg = None
+        # it waits for a commit, and the group's threads must not live that long.
         threading.Thread(target=_drop_group, args=(group, pg), daemon=True,
                          name="checkpointless-side-drop").start()
 
     def _wait(self, works: Sequence, what: str) -> None:
         # Not polled: a gloo send/recv whose wait times out closes the pair ("Application
-        # timeout caused pair closure"), so point-to-point waits use the full timeout.
-        # An abandoned round therefore ends at its timeout, on its own daemon thread.
+        # timeout caused pair closure"), so point-to-point waits use the full timeout,
+        # on a waiter thread that an abort releases the caller from (work_waiter).
         try:
             for w in works:
                 if self._aborted:
                     raise TransportError(f"replication {what} abandoned")
-                w.wait(self.timeout)
+                self._waiters.wait(w)
+        except Abandoned:
+            raise TransportError(f"replication {what} abandoned") from None
         except TransportError:
             raise
         except Exception as exc:  # gloo raises RuntimeError subclasses
@@ -169,6 +196,7 @@ class SideChannel:
 
     def close(self) -> None:
         """Drop the group. Gloo cannot abort in-flight ops; dropping is all we can do."""
+        self._waiters.close()
         try:
             if self.pg is not None:
                 self.pg.shutdown()

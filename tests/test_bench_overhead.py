@@ -143,3 +143,14 @@ def test_the_models_snapshot_cost_is_never_below_what_was_measured_directly() ->
     assert bo.snapshot_cost_for_model(r, "cpu", 8) == pytest.approx(0.04)
     r["k2_snapshot_cost_s_device"] = 0.003
     assert bo.snapshot_cost_for_model(r, "device", 8) == pytest.approx(0.003)
+
+
+def test_the_plain_job_after_the_default_one_reruns_the_reference_rate_only() -> None:
+    names = [p["name"] for p in bo.phases_for("cpu", 12 * 2**20, bo.RATES, 8,
+                                             {str(r): 4 for r in bo.RATES}, False, 8)]
+    after = [n for n in names if bo.runs_phase(bo.PLAIN_AFTER, n)]
+    assert after == ["warmup", f"every1_{bo.KEY_RATE}", f"everyN_{bo.KEY_RATE}",
+                     f"nosnap_{bo.KEY_RATE}"]
+    assert [n for n in names if bo.runs_phase("default", n)] == [
+        "warmup", f"default_{bo.KEY_RATE}"]
+    assert [n for n in names if bo.runs_phase("k2", n)] == names
