@@ -24,6 +24,8 @@ import queue
 import threading
 import weakref
 
+from replication.errors import CheckpointlessError
+
 _abandoned: weakref.WeakSet[_Waiter] = weakref.WeakSet()
 
 
@@ -34,7 +36,7 @@ def abandoned_waits() -> int:
     return sum(1 for w in list(_abandoned) if w.busy)
 
 
-class Abandoned(Exception):
+class Abandoned(CheckpointlessError):
     """The channel was aborted while this work was waited for."""
 
 
