@@ -86,14 +86,18 @@ BENCHES = {
                 "from the kill to step K done where K-1 had committed, 1.12 s and 1.71 s "
                 "where it had not. A quick run the same day: 0.09 / 0.09 / 0.14, step time "
                 "after 1.05x, bit-identical. At the default interval (`auto`, ADR 0032; "
-                "the run below, 2026-11-27): the kill at step 35 lands in the probe "
+                "2026-11-27): the kill at step 35 lands in the probe "
                 "(every 8 steps), the target is 32 and 2 completed steps are replayed "
                 "(`steps_replayed`): 0.23 / 0.23 / 0.24 (1.33 s against a 5.9 s "
                 "restart). After the probe a failure replays up to the interval chosen "
                 "(hundreds of steps at this job's CPU-bound costs for an assumed 3 h "
                 "MTBF, tens of seconds of work); this bench does not measure that case "
                 "(the goodput model counts half an interval per failure). "
-                "`replication.every_n_steps=1` keeps the former behaviour.",
+                "`replication.every_n_steps=1` keeps the former behaviour. 2026-11-28, "
+                "after the side channel's waits moved to waiter threads that an abort "
+                "releases (ADR 0037), two full runs in a row: 0.234 / 0.229 / 0.251 "
+                "(step time after 1.19x) and 0.234 / 0.219 / 0.266 (0.97x; the run "
+                "below): the same recovery as before within the noise.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (the writer on its own)",

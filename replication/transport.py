@@ -71,8 +71,8 @@ def _drop_group(group: AbortableGloo, pg: object) -> None:
     """Release an aborted side-channel group (see :meth:`SideChannel.abort`). Its last
     references die here: destroying a gloo group joins its worker threads, which lasts
     until the timeout of an operation its abort did not end, and blocks only this
-    thread (torch releases the GIL in the destructor: measured, no other thread of the
-    process stops; ``tests/test_side_channel_teardown.py``)."""
+    thread (measured: no other thread of the process stops meanwhile;
+    ``tests/test_side_channel_teardown.py``)."""
     group.release()
     del pg
 

@@ -1,12 +1,12 @@
 """Waits on gloo works that an abort can end for the waiter, whatever gloo does.
 
 Shutting down an aborted group's sockets (:mod:`.abortable_gloo`) fails most pending
-operations at once, but not all: a point-to-point send or receive, or an all-gather,
-whose pair was closed while it waited for the peer's side of gloo's rendezvous stays
-pending until its own timeout (``replication.timeout_s``, 120 s by default). Seen in
+operations at once, but not all: now and then a point-to-point send or receive, or an
+all-gather, stays pending until its own timeout (``replication.timeout_s``, 120 s by
+default) although its pair's socket was shut down or closed by the dead peer. Seen in
 ``tests/test_side_channel_teardown.py``: about one abort in 20, mid-round, with the
-peer SIGKILLed, SIGSTOPped or alive. A replication round's thread blocked there held
-a recovery for the full timeout. gloo's works offer no abort from Python (torch 2.13),
+peer SIGKILLed, SIGSTOPped or alive; the chaos soak's 120 s stalls had a replication
+round's thread blocked there. gloo's works offer no abort from Python (torch 2.13),
 and a wait in short slices is no way out either: a timed-out send or receive closes
 every pair of the group.
 
