@@ -64,7 +64,8 @@ def encode(obj: Any, on_tensor: Callable[[torch.Tensor, str], int]) -> Any:
     """Turn ``obj`` into JSON-able tagged data; tensors are handed to ``on_tensor``.
 
     ``on_tensor(tensor, path)`` returns the index under which the tensor's bytes are
-    stored; the skeleton keeps only that index.
+    stored; the skeleton keeps that index, and the device of a tensor that is not on
+    the host (see :func:`recorded_device`).
     """
     try:
         return _encode(obj, "", on_tensor)
@@ -90,7 +91,9 @@ def _encode(obj: Any, path: str, on_tensor: Callable[[torch.Tensor, str], int]) 
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"f": repr(obj)}
     if isinstance(obj, torch.Tensor):
-        return {"t": on_tensor(obj, path)}
+        if obj.device.type == "cpu":  # the form snapshots have always had
+            return {"t": on_tensor(obj, path)}
+        return {"td": [on_tensor(obj, path), str(obj.device)]}
     if isinstance(obj, dict):
         return {
             "D": [
@@ -140,6 +143,24 @@ def _encode_numpy(obj: Any, path: str, on_tensor: Callable[[torch.Tensor, str], 
     return {"ns": [obj.dtype.str, value]}
 
 
+# Where a decoded tensor was captured from, when not the host: set on the tensor that
+# ``tensor_at`` returned (a fresh view of the snapshot buffer), see recorded_device().
+_DEVICE_ATTR = "_checkpointless_device"
+
+
+def recorded_device(tensor: torch.Tensor) -> torch.device | None:
+    """The device ``tensor`` lived on when it was captured, if not the host.
+
+    A snapshot holds every tensor's bytes on the host, so a decoded tensor is a host
+    view; the skeleton records each device tensor's device (tag ``td``; host tensors
+    keep the plain ``t`` of every earlier snapshot, so their skeletons, and their
+    checksums, are unchanged), and the decoder hangs it on the view. A restore puts
+    the tensors of objects that do not load in place back there
+    (:meth:`replication.state.TrainingState.restore`).
+    """
+    return getattr(tensor, _DEVICE_ATTR, None)
+
+
 def decode(data: Any, tensor_at: Callable[[int], torch.Tensor]) -> Any:
     """Rebuild the tree from tagged data; ``tensor_at(i)`` supplies tensor ``i``.
 
@@ -165,6 +186,15 @@ def _decode(data: Any, tensor_at: Callable[[int], torch.Tensor]) -> Any:
         _require(isinstance(val, list), data)
     if tag == "t":
         return tensor_at(_index(val, data))
+    if tag == "td":
+        _require(isinstance(val, list) and len(val) == 2 and isinstance(val[1], str), data)
+        try:
+            device = torch.device(val[1])
+        except (RuntimeError, ValueError, TypeError):
+            raise _malformed(data) from None
+        tensor = tensor_at(_index(val[0], data))
+        setattr(tensor, _DEVICE_ATTR, device)
+        return tensor
     if tag == "D":
         _require(all(isinstance(kv, list) and len(kv) == 2 for kv in val), data)
         return {

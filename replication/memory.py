@@ -3,6 +3,11 @@
 Snapshot buffers are allocated once and kept for the whole run, so an over-committed
 host would fail (or swap) only later, in the middle of training. We check up front,
 with psutil, and refuse to start with the numbers that did not fit.
+
+The plan counts each buffer at its own size, which is what it holds: pinned buffers
+(GPU hosts) are ordinary memory page-locked in place (:func:`replication.slots.allocate_host`),
+not blocks of torch's pinned allocator, which rounds each one up to a power of two and
+keeps freed ones cached, outside any count.
 """
 
 from __future__ import annotations

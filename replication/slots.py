@@ -12,6 +12,7 @@ business (:mod:`replication.snapshot`).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -41,7 +42,8 @@ class SnapshotSlot:
     step: int = -1
     skeletons: dict[str, bytes] = field(default_factory=dict)
     digests: dict[str, str] | None = None
-    copy_done: Any = None  # a torch.cuda.Event while an async device copy is in flight
+    # while async device copies are in flight: one DeviceEvent per source device
+    copy_done: list[Any] | None = None
     # wait() of a reader outside the engine that still needs the bytes (SnapshotEngine.hold)
     hold: Callable[[], None] | None = None
     # the part of an overlapped capture still to be copied (SnapshotEngine.seal does it)
@@ -70,10 +72,79 @@ def allocate_host(nbytes: int, *, pin: bool, zeroed: bool = True) -> torch.Tenso
     replica slot is only ever written by what arrives (padding included) and read by
     segment, so it skips the pass, and the pages of segments it never receives (shared
     with the local snapshot) are never touched at all.
+
+    A pinned buffer is not taken from torch's pinned allocator (``pin_memory=True``):
+    that allocator rounds every block up to a power of two and keeps freed blocks
+    cached, so a 5 GiB slot would hold 8 GiB of page-locked memory that the memory
+    budget (:mod:`replication.memory`) never counted. It is plain anonymous memory (zero
+    pages from the kernel) page-locked in place with ``cudaHostRegister``
+    (:func:`_page_lock`), so it holds exactly its own pages and is unlocked when freed;
+    where that fails it stays ordinary memory, with one warning.
     """
+    if pin and nbytes > 0:
+        region = mmap.mmap(-1, _page_round(nbytes))
+        buf = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # keeps region alive
+        if _page_lock(buf.data_ptr(), len(region)):
+            weakref.finalize(region, _page_unlock, buf.data_ptr()).atexit = False
+        return buf
     if not zeroed:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=False)
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=False)
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # page-locked for every device's context, not just one
+_unpinned_warned = False  # see _page_lock
+
+
+def _page_round(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _page_lock(address: int, nbytes: int) -> bool:
+    """Page-lock host memory for asynchronous device copies (``cudaHostRegister``).
+
+    Returns whether it worked. CUDA runtime calls report failure in their return code,
+    not by raising, so it is checked: a buffer that is not page-locked still works, but
+    a "non_blocking" device copy into it is synchronous and staged through a bounce
+    buffer, so the overlap the engine counts on is lost. The first failure in a process
+    is logged as a warning, the others at debug level (every slot fails alike).
+    """
+    global _unpinned_warned
+    try:
+        cudart = torch.cuda.cudart()
+        code = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+        reason = "" if code == 0 else f"cudaHostRegister returned {_cuda_error(cudart, code)}"
+    except Exception as exc:  # no CUDA runtime in this process
+        reason = f"no CUDA runtime ({exc!r})"[:200]
+    if not reason:
+        return True
+    level = logging.DEBUG if _unpinned_warned else logging.WARNING
+    _unpinned_warned = True
+    log.log(level, "cannot page-lock a %d MB snapshot buffer: %s; using ordinary memory, so "
+            "device-to-host snapshot copies will be synchronous", nbytes >> 20, reason)
+    return False
+
+
+def _page_unlock(address: int) -> None:
+    """Undo :func:`_page_lock` before the memory is unmapped; a failure is logged (a
+    finalizer must not raise), since it means the memory stays locked."""
+    try:
+        cudart = torch.cuda.cudart()
+        code = int(cudart.cudaHostUnregister(address))
+    except Exception as exc:  # pragma: no cover - the runtime went away at shutdown
+        log.warning("cannot unlock a snapshot buffer's pages: %r", exc)
+        return
+    if code != 0:
+        log.warning("cudaHostUnregister of a snapshot buffer returned %s",
+                    _cuda_error(cudart, code))
+
+
+def _cuda_error(cudart: Any, code: int) -> str:
+    """``code`` with the runtime's name for it, where the runtime can give one."""
+    try:
+        return f"error {code} ({cudart.cudaGetErrorString(cudart.cudaError(code))})"
+    except Exception:
+        return f"error {code}"
 
 
 @dataclass(frozen=True)
@@ -101,7 +172,7 @@ def allocate_shared(nbytes: int, *, pin: bool = False) -> torch.Tensor | None:
     (``posix_fallocate``), so a host out of memory fails here rather than with SIGBUS
     at the first touch. The memory is freed once the returned tensor (keep it
     referenced: slices alone do not keep the descriptor open) and every mapping of it
-    are gone. ``pin`` page-locks it for CUDA copies (``cudaHostRegister``; untested).
+    are gone. ``pin`` page-locks it for device copies (:func:`_page_lock`).
     """
     if nbytes <= 0 or not hasattr(os, "memfd_create"):
         return None
@@ -119,14 +190,7 @@ def allocate_shared(nbytes: int, *, pin: bool = False) -> torch.Tensor | None:
     except (OSError, RuntimeError):
         os.close(fd)
         return None
-    pinned = False
-    if pin:
-        try:
-            torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-            pinned = True
-        except Exception as exc:  # pragma: no cover - GPU hosts only
-            log.warning("could not page-lock a %d MB shared snapshot buffer (%r); device "
-                        "copies into it will be synchronous", nbytes >> 20, exc)
+    pinned = pin and _page_lock(buf.data_ptr(), nbytes)
     with _shared_lock:
         _shared[buf.data_ptr()] = (fd, nbytes, key)
     weakref.finalize(buf, _free_shared, fd, buf.data_ptr(), pinned)
@@ -136,11 +200,8 @@ def allocate_shared(nbytes: int, *, pin: bool = False) -> torch.Tensor | None:
 def _free_shared(fd: int, addr: int, pinned: bool) -> None:
     with _shared_lock:
         _shared.pop(addr, None)
-    if pinned:  # pragma: no cover - GPU hosts only
-        try:
-            torch.cuda.cudart().cudaHostUnregister(addr)
-        except Exception:
-            pass
+    if pinned:
+        _page_unlock(addr)
     try:
         os.close(fd)
     except OSError:

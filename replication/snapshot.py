@@ -11,9 +11,12 @@ With ``overlap`` (the replicator's default, ``replication.overlap_copy``) the la
 tensors that only ``optimizer.step()`` changes are copied on the replication thread
 while the loop runs the next forward and backward pass; an optimizer step pre-hook
 fences the copy before the update (:class:`~replication.overlap.PendingCopy`, ADR 0013).
-On GPU hosts the copy is issued on a side CUDA stream into pinned host memory and the
-same fence makes the compute stream wait for it. That path is behind
-``device``/``pin_memory`` switches and is untested on this CPU-only machine.
+On GPU hosts the copy is issued on a side stream of each source device into pinned host
+memory (:mod:`replication.device_copy`: a copy runs on its source device's stream, so
+one stream on the current device would not cover tensors on another), and the same
+fence makes every device's compute stream wait for it. CPU tests drive that path with
+a simulated device whose copies land only when synchronised; only a GPU run shows the
+real streams.
 
 When the durable tier persists snapshots (``shared_memory=True``), the slots live in
 shared memory (a memfd), so the durable writer's helper process reads a snapshot straight
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 
-from replication import codec, overlap, streamcopy
+from replication import codec, device_copy, overlap, streamcopy
 from replication.digest_copy import compute_digests, copy_and_digest, verify_segments
 from replication.layout import FlatState, SnapshotLayout, flatten, tensor_views, unflatten_segment
 from replication.overlap import (
@@ -136,7 +139,7 @@ class SnapshotEngine:
         self.slots = [SnapshotSlot(i) for i in range(num_slots)]
         self._lock = threading.Lock()
         self._protected_step = -1  # the committed step; its slot is never overwritten
-        self._stream = None
+        self._device_copier = device_copy.DeviceCopier()  # side streams, one per device
         self.overlap = overlap
         self.overlap_min_bytes = overlap_min_bytes
         self.pending: PendingCopy | None = None  # at most one: every capture fences first
@@ -228,10 +231,11 @@ class SnapshotEngine:
 
         Called before anything changes them: by optimizer step pre-hooks, before a
         restore, and by :meth:`capture`. What is left of a pending copy is done here,
-        on the calling thread (:class:`PendingCopy`). On GPU hosts, makes the current
-        stream wait for in-flight device copies. A tensor found changed since the capture (outside
-        ``optimizer.step()``, or the fence would have come first) turns overlapped
-        copies off for this engine, with a warning: this loop cannot use them safely.
+        on the calling thread (:class:`PendingCopy`). On GPU hosts, makes the compute
+        stream of every device that copies come from wait for them. A tensor found
+        changed since the capture (outside ``optimizer.step()``, or the fence would
+        have come first) turns overlapped copies off for this engine, with a warning:
+        this loop cannot use them safely.
         The time is added to :attr:`fence_wait_s`.
         """
         waited = self._fence()
@@ -257,9 +261,9 @@ class SnapshotEngine:
                     "for this loop", ", ".join(changed[:3]) or "a tensor", pending.step,
                 )
         for slot in self.slots:
-            event = slot.copy_done  # read once: seal() clears it on the round thread
-            if event is not None:  # GPU only (untested here)
-                torch.cuda.current_stream().wait_event(event)
+            events = slot.copy_done  # read once: seal() clears it on the round thread
+            if events is not None:  # device copies in flight: every device's compute stream
+                device_copy.wait_on_compute_streams(events)
         return time.perf_counter() - t0
 
     def _free_slot(self) -> SnapshotSlot:
@@ -320,31 +324,19 @@ class SnapshotEngine:
             else:
                 streamcopy.copy_tensors(slot.views, flat.tensors, enabled=self.streaming)
             return
-        # GPU path (untested here): enqueue device->pinned copies on a side stream. What
-        # the next forward pass may change (buffers such as batch-norm statistics, all
-        # but the optimizers' tensors) goes first, and the compute stream waits for that
-        # part before it runs anything else; the optimizers' step pre-hooks make it wait
-        # for the rest before the update (fence()).
+        # Device path: enqueue device->pinned copies on a side stream of each source
+        # device (replication.device_copy). What the next forward pass may change
+        # (buffers such as batch-norm statistics, all but the optimizers' tensors) goes
+        # first, and every device's compute stream waits for that part before it runs
+        # anything else; the optimizers' step pre-hooks make them wait for the rest
+        # before the update (fence()).
         optimizers, owned = _optimizer_owned(self.state)
         self._hook(optimizers)
         pairs = list(zip(slot.views, flat.tensors))
         early = [p for p in pairs if p[1].data_ptr() not in owned]
         late = [p for p in pairs if p[1].data_ptr() in owned]
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for group in (early, late):
-                for dst, src in group:
-                    dst.copy_(src, non_blocking=True)
-                    if src.device.type == "cuda":
-                        src.record_stream(self._stream)
-                if group is early:
-                    early_done = torch.cuda.Event()
-                    early_done.record(self._stream)
-            slot.copy_done = torch.cuda.Event()
-            slot.copy_done.record(self._stream)
-        torch.cuda.current_stream().wait_event(early_done)
+        early_done, slot.copy_done = self._device_copier.copy([early, late])
+        device_copy.wait_on_compute_streams(early_done)
 
     def seal(self, slot: SnapshotSlot, *, low_priority: bool = False) -> SnapshotMeta:
         """Finish ``slot`` and checksum it (off the training thread, in the replicator).
@@ -368,7 +360,7 @@ class SnapshotEngine:
                                         "before its round sealed it")
                 slot.digests, slot.pending = digests, None
         if slot.copy_done is not None:
-            slot.copy_done.synchronize()
+            device_copy.synchronize(slot.copy_done)
             slot.copy_done = None
         assert slot.buffer is not None and slot.layout is not None
         if slot.digests is None:

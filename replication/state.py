@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from replication import codec
 from replication.errors import CheckpointlessError
 
 try:
@@ -60,10 +61,24 @@ class StateRegistrationError(CheckpointlessError, TypeError):
     """An object that cannot be part of the training state (message says why)."""
 
 
+class DeviceUnavailable(CheckpointlessError, RuntimeError):
+    """A restore needs a device this process does not have (message says which)."""
+
+
 class TrainingState:
     """Named, ordered collection of the objects whose state defines a training run."""
 
-    def __init__(self, *, rng: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        rng: bool = True,
+        map_location: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None,
+    ) -> None:
+        """``map_location(tensor, device)`` places a restored tensor that was captured on
+        ``device`` (see :meth:`restore`); by default it goes back to that very device.
+        ``tensor`` is a host view of the snapshot: return a copy, never the view itself
+        (a host result sharing its memory is copied)."""
+        self.map_location = map_location
         self._entries: dict[str, Stateful] = {}
         self._restore_guards: list[Callable[[], None]] = []
         self._declared_optimizers: list[torch.optim.Optimizer] = []
@@ -153,11 +168,19 @@ class TrainingState:
 
         Tensors in ``states`` may alias a snapshot buffer that is later overwritten,
         so modules copy them in place into their parameters and every other object
-        receives private clones.
+        receives private clones. Snapshots hold every tensor on the host: modules copy
+        into their own tensors wherever those live, and optimizers move their state to
+        their parameters' devices themselves (``load_state_dict``); any other object (an
+        EMA dict, a user tensor) gets each tensor on the device it was captured from
+        (:func:`replication.codec.recorded_device`), or where :attr:`map_location`
+        puts it. A recorded device this process lacks is refused before anything is
+        loaded.
         """
         missing = [n for n in self._entries if n not in states and n not in self.optional]
         if missing:
             raise KeyError(f"snapshot has no state for registered entries {missing}")
+        if self.map_location is None:
+            self._check_devices(states)
         for guard in self._restore_guards:
             guard()
         for name, obj in self._entries.items():
@@ -165,24 +188,77 @@ class TrainingState:
                 continue
             if isinstance(obj, torch.nn.Module):
                 _restore_module(obj, states[name])
-            else:
-                restored = clone_tensors(states[name])
-                if isinstance(obj, torch.optim.Optimizer):
-                    restored = _rewrap_optimizer_dtensors(obj, restored)
+            elif isinstance(obj, torch.optim.Optimizer):
+                restored = _rewrap_optimizer_dtensors(obj, clone_tensors(states[name]))
                 obj.load_state_dict(restored)
+            else:
+                obj.load_state_dict(clone_tensors(states[name], self._placed_copy))
+
+    def _placed_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A private copy of ``tensor`` on the device it was captured from."""
+        device = codec.recorded_device(tensor)
+        if device is None:
+            return tensor.clone()
+        if self.map_location is None:
+            return tensor.to(device, copy=True)
+        placed = self.map_location(tensor, device)
+        if placed.device.type == "cpu" and (
+                placed.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()):
+            placed = placed.clone()  # never hand out the snapshot buffer itself
+        return placed
+
+    def _check_devices(self, states: Mapping[str, Any]) -> None:
+        """Refuse, before anything is loaded, a restore that needs a device this process
+        does not have (a checkpoint of a GPU job loaded on a smaller or CPU-only host)."""
+        for name, obj in self._entries.items():
+            if name not in states or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                continue
+            for device in {d for t in _tensors(states[name])
+                           if (d := codec.recorded_device(t)) is not None}:
+                if not _has_device(device):
+                    raise DeviceUnavailable(
+                        f"state entry {name!r} holds tensors captured on {device}, which "
+                        "this process does not have; set TrainingState.map_location to "
+                        "place them elsewhere"
+                    )
 
 
-def clone_tensors(tree: Any) -> Any:
-    """Deep-copy the containers of ``tree`` and clone its tensors."""
+def clone_tensors(tree: Any, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """Deep-copy the containers of ``tree`` and clone its tensors (with ``copy``, when
+    given, instead of ``Tensor.clone``)."""
     if isinstance(tree, torch.Tensor):
-        return tree.clone()
+        return tree.clone() if copy is None else copy(tree)
     if isinstance(tree, dict):
-        return {k: clone_tensors(v) for k, v in tree.items()}
+        return {k: clone_tensors(v, copy) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [clone_tensors(v) for v in tree]
+        return [clone_tensors(v, copy) for v in tree]
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(clone_tensors(v) for v in tree)
+        return tuple(clone_tensors(v, copy) for v in tree)
     return tree
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``tree``, through the containers :func:`clone_tensors` copies."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _has_device(device: torch.device) -> bool:
+    """Whether this process can hold tensors on ``device``."""
+    if device.type in ("cpu", "meta"):
+        return True
+    try:
+        module = torch.get_device_module(device)
+        return bool(module.is_available()) and (
+            device.index is None or device.index < module.device_count())
+    except (RuntimeError, AttributeError, AssertionError):
+        return False
 
 
 def _rewrap_optimizer_dtensors(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:

@@ -331,6 +331,9 @@ def tensor_keys(meta: SnapshotMeta) -> dict[str, list[str]]:
             (tag, val), = node.items()
             if tag in ("t", "np") and isinstance(val, int) and 0 <= val < _n:
                 _keys[val] = ".".join(path)
+            elif (tag == "td" and isinstance(val, list) and val  # a device tensor
+                  and isinstance(val[0], int) and 0 <= val[0] < _n):
+                _keys[val[0]] = ".".join(path)
             elif tag == "D" and isinstance(val, list):
                 for kv in val:
                     if isinstance(kv, list) and len(kv) == 2:
