@@ -22,9 +22,11 @@ its assignment arrives (:class:`WarmUpPriority`). A spare prints nothing until
 assigned. EOF on stdin (the agent went away or is shutting the pool down) makes it exit
 0 quietly, so spares never outlive their agent.
 
-Caveat: variables read only at import time (``CUDA_VISIBLE_DEVICES`` before CUDA
-initialises is fine; anything consumed by ``import torch`` itself is not) come from
-the job-wide environment, never from the rank's.
+Caveat: variables read only at import time (anything consumed by ``import torch``
+itself) come from the job-wide environment, never from the rank's. So do those CUDA
+reads when it initialises (``CUDA_VISIBLE_DEVICES``), because a waiting spare
+initialises CUDA (:func:`warm_cuda`): a script that changes them itself before its
+first CUDA call needs ``CHECKPOINTLESS_SPARE_CUDA=off``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import NoReturn
 
@@ -93,12 +96,100 @@ def _exercise_torch() -> None:
 
 
 def _one_step(torch) -> None:
+    """A forward pass and each optimizer's step, reaching no GPU call, because the
+    zygote forks after it (:mod:`launcher.zygote`): on a GPU build with a device
+
+    - ``backward()`` would start the autograd engine's per-device threads, counting the
+      devices with ``cudaGetDeviceCount`` (which initialises the CUDA driver), and
+      torch marks every process forked after that unable to run autograd at all;
+      the gradients are set directly instead;
+    - ``step()`` of Adam and AdamW runs a CUDA-graph capture health check that asks for
+      the current CUDA stream, which initialises CUDA; it is skipped here (nothing is
+      captured in a warm-up).
+    """
     model = torch.nn.Linear(4, 4)
     for opt_cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         opt = opt_cls(model.parameters(), lr=0.1)
-        model(torch.randn(2, 4)).sum().backward()
+        for name in _CAPTURE_CHECKS:
+            if hasattr(opt, name):
+                setattr(opt, name, _no_capture_check)  # this instance only
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
         opt.step()
         opt.zero_grad()
+
+
+#: The optimizer's CUDA-graph capture check, by its names across torch versions.
+_CAPTURE_CHECKS = ("_accelerator_graph_capture_health_check",
+                   "_cuda_graph_capture_health_check")
+
+
+def _no_capture_check() -> None:
+    return None
+
+
+#: ``CHECKPOINTLESS_SPARE_CUDA``: what a waiting spare prepares on the GPU (see
+#: :func:`warm_cuda`): ``contexts`` (the default), ``runtime`` or ``off``.
+SPARE_CUDA_ENV = "CHECKPOINTLESS_SPARE_CUDA"
+SPARE_CUDA_MODES = ("contexts", "runtime", "off")
+#: A forked process assigned within this many seconds is a first worker, not a spare
+#: (the agent forks first workers and hands them their rank at once): it skips
+#: :func:`warm_cuda`, whose contexts on every device it would keep for its whole life.
+CUDA_WARM_GRACE_S = 2.0
+
+
+def warm_cuda(mode: str | None = None) -> list[int]:
+    """Prepare the GPU while waiting, so that a replacement pays for none of it; returns
+    the devices that got a context. Never raises: a spare that cannot warm the GPU still
+    saves the imports, and the script reports the real error.
+
+    A spare does not know which local rank it will replace, and the runtime places a
+    rank on ``cuda:(LOCAL_RANK % device_count)`` (:mod:`recovery.device_placement`), so
+    each mode prepares every device up to ``LOCAL_WORLD_SIZE``:
+
+    - ``contexts`` (default): initialise torch's CUDA state (the driver, its device
+      list), then on each such device create the primary context and a cuBLAS handle
+      with its workspace (a 16 x 16 matmul, which also loads one GEMM kernel), and put
+      the current device back to 0, as a fresh process has it. GPU memory: per spare
+      and per device, one CUDA context (typically a few hundred MiB with lazy module
+      loading, torch's default) plus the cuBLAS workspace (tens of MiB); the allocator's
+      cached block is released. A replacement keeps the contexts on the other devices
+      for its life: torch cannot release a primary context.
+    - ``runtime``: torch's CUDA state and the driver only (torch's initialisation
+      creates no context): no GPU memory; the replacement still creates its context
+      and cuBLAS handle.
+    - ``off``: nothing (as before; also right for a script that sets
+      ``CUDA_VISIBLE_DEVICES`` itself before its first CUDA call, which an initialised
+      runtime no longer reads).
+    """
+    mode = mode or os.environ.get(SPARE_CUDA_ENV, "contexts").strip().lower()
+    if mode not in SPARE_CUDA_MODES or mode == "off":
+        return []
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        torch.cuda.init()
+        if mode == "runtime":
+            return []
+        count = torch.cuda.device_count()
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local_world.isdigit() and int(local_world) > 0:
+            count = min(count, int(local_world))
+        warmed = []
+        for index in range(count):
+            with torch.cuda.device(index):  # restores the previous device (0) after
+                x = torch.ones(16, 16, device=torch.device("cuda", index))
+                torch.mm(x, x)
+                torch.cuda.synchronize(index)
+            warmed.append(index)
+        torch.cuda.empty_cache()
+        return warmed
+    except Exception:
+        return []
 
 
 def install_worker_hooks() -> None:
@@ -261,6 +352,15 @@ class _AssignmentWatch:
             self._priority.restore()
             self._done.set()
 
+    def arrived(self, wait_s: float) -> bool:
+        """Whether the assignment (or EOF) has come, waiting up to ``wait_s`` (in
+        slices, as :meth:`result` waits)."""
+        deadline = time.monotonic() + wait_s
+        while not self._done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
     def result(self) -> dict | None:
         while not self._done.wait(0.5):  # slices: Ctrl-C must reach the main thread
             pass
@@ -371,7 +471,9 @@ def main() -> int:
 
 def serve() -> int:
     """A spare's life: warm up (nearly free in a spare the zygote forked, which
-    inherits its imports) and wait below the job's priority; run the rank at it."""
+    inherits its imports), prepare the GPU once it is clearly a spare (:func:`warm_cuda`:
+    after the fork, never in the zygote) and wait below the job's priority; run the
+    rank at it."""
     priority = WarmUpPriority()
     priority.lower()
     stop = threading.Event()
@@ -382,6 +484,8 @@ def serve() -> int:
         warm_up()
         threading.Thread(target=warm_job_modules, args=(stop,), daemon=True,
                          name="spare-warm").start()
+        if not incoming.arrived(CUDA_WARM_GRACE_S):  # a spare, not a first worker
+            warm_cuda()
         assignment = incoming.result()
     except KeyboardInterrupt:
         return contract.EXIT_INTERRUPTED

@@ -13,7 +13,8 @@ would try to host a second server on the same port and fail with EADDRINUSE.
 The job key (sealing the store records the job trusts, ``replication.signing``) reaches
 workers in ``CHECKPOINTLESS_INTERNAL_JOB_KEY``; the job secret it is derived from
 (``CHECKPOINTLESS_JOB_SECRET``) is removed, so workers never hold it. ``GLOO_SOCKET_IFNAME``
-is set to the interface ``--bind`` chose, unless the user set it. Under Slurm, the
+is set to the interface ``--bind`` chose, unless the user set it, and NCCL's watchdog
+is told never to kill a survivor (:func:`nccl_error_handling`). Under Slurm, the
 variables of the agent's own task are removed (:data:`SLURM_TASK_VARS`).
 
 The environment is built in two layers: :meth:`JobEnv.base` (job-wide, no rank), which
@@ -28,6 +29,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from launcher import worker_output
 from recovery.recipe import RESERVED_ENV_PREFIX
 from recovery.store_address import ETCD_SCHEME
 from replication import contract
@@ -45,6 +47,40 @@ SLURM_TASK_VARS = frozenset({
     "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
     "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASK_PID", "SLURM_GTIDS",
 })
+
+
+#: How ProcessGroupNCCL's watchdog handles a collective's error or timeout (torch's
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``; ``NCCL_ASYNC_ERROR_HANDLING`` is its older name):
+#: 0 nothing, 1 abort the communicator and tear the process down, 2 abort the
+#: communicator only, 3 tear the process down without aborting. Workers get 2. A
+#: survivor often notices a dead peer in NCCL before the runtime declares the failure;
+#: 1 and 3 then kill it, turning one lost rank into several. 2 keeps the process and
+#: aborts the failed generation's communicator, so its kernels stop spinning on the GPU
+#: and the pending collective raises, which the runtime takes as the peer's failure and
+#: recovers from in place (the next generation gets a new communicator). 0 would leave
+#: those kernels running until the runtime's own abort.
+NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+NCCL_ERROR_HANDLING = "2"
+NCCL_TEAR_DOWN = frozenset({"1", "3"})
+_warned_tear_down = False
+
+
+def nccl_error_handling(env: dict[str, str]) -> None:
+    """Set the watchdog's mode in ``env`` unless the user chose one (either name); warn
+    once per process when that choice kills survivors."""
+    global _warned_tear_down
+    chosen = [(k, env[k].strip()) for k in NCCL_ERROR_HANDLING_VARS if k in env]
+    if not chosen:
+        env[NCCL_ERROR_HANDLING_VARS[0]] = NCCL_ERROR_HANDLING
+        return
+    name, value = chosen[0]  # torch reads the first name when both are set
+    if value in NCCL_TEAR_DOWN and not _warned_tear_down:
+        _warned_tear_down = True
+        worker_output.say(
+            f"[checkpointless] {name}={value} makes NCCL's watchdog kill a worker that sees "
+            "a peer fail, so survivors die instead of recovering in place; unset it to let "
+            f"the runtime recover (it uses {NCCL_ERROR_HANDLING}: abort the communicator, "
+            "keep the process)")
 
 
 @dataclass(frozen=True)
@@ -81,7 +117,7 @@ class JobEnv:
             env.setdefault("GLOO_SOCKET_IFNAME", self.gloo_ifname)
         if self.nproc > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not oversubscribe
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        nccl_error_handling(env)
         env.update(
             {
                 "WORLD_SIZE": str(self.world_size),

@@ -139,8 +139,8 @@ def launch(
       zygote (``"fork"``).
     - A first start forks from the zygote, waiting for a zygote still importing (its
       import is the one the worker would pay anyway): ``"fork"``. The idle spares stay
-      for failures. Only on a CPU build of torch (:func:`launcher.zygote.forks_workers`):
-      elsewhere the zygote exists only with spares, and first starts are ``"exec"``.
+      for failures. On GPU builds too: the zygote never initialises CUDA, and it
+      refuses a fork if something did (:func:`launcher.zygote.fork_hazard`).
     - Without a zygote (``--no-zygote``, not Linux, or it failed), or if the spare died
       before it took the rank: a new interpreter, ``"exec"``.
 
@@ -212,7 +212,7 @@ class SparePool:
         self._refill_at = 0.0
         self.zygote = zygote
         self._zygote_since = time.monotonic()
-        #: First starts fork from the zygote too (ADR 0029; CPU builds of torch only).
+        #: First starts fork from the zygote too (ADR 0029; any build of torch).
         self.forks_workers = zygote is not None and forks_workers()
 
     def fill(self) -> None:

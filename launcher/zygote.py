@@ -37,6 +37,14 @@ Between requests it imports the modules the job's workers ask spares to warm
 A forked spare reseeds Python's and NumPy's global generators (a fresh interpreter
 seeds them from the OS, and two spares must not share a stream); torch's default
 generator is left at its start-up state, as in a fresh process.
+
+On a GPU build the zygote never initialises the GPU runtime, because a process forked
+after that cannot use the GPU ("Cannot re-initialize CUDA in forked subprocess"): it
+asks for CUDA availability through NVML (:data:`NVML_CHECK_ENV`), and its warm-up step
+reaches no CUDA call (:func:`launcher.spare.warm_up`). Before each fork it checks
+(:func:`fork_hazard`); if something it imported did initialise the runtime, it refuses
+the fork and the agent starts new interpreters from then on. Each spare creates its
+own CUDA context after the fork, while it waits (:func:`launcher.spare.warm_cuda`).
 """
 
 from __future__ import annotations
@@ -91,16 +99,75 @@ early_fork_allowed = False
 
 def forks_workers() -> bool:
     """Whether first workers, and replacements when no spare is idle, may be forked
-    from the zygote (ADR 0029): only where torch has no GPU runtime, a CPU build.
+    from the zygote (ADR 0029): on every build of torch.
 
-    On a CUDA or ROCm build the zygote's warm-up may initialise the GPU runtime (an
-    optimizer step asks ``torch.cuda.is_available()``), and a process forked after that
-    cannot use the GPU. Until the zygote is shown to stay GPU-free on a real card, such
-    builds keep starting workers as new interpreters, and fork only spares, as before.
+    GPU builds were once excluded, because the zygote's warm-up initialised the GPU
+    runtime (its optimizer step asked ``torch.cuda.is_available()`` and whether the
+    current stream was capturing), and a process forked after that cannot use the GPU.
+    The zygote now keeps the runtime uninitialised (see the module's docstring), and it
+    checks before every fork (:func:`fork_hazard`): where something did initialise the
+    runtime, it refuses, and the agent starts the rank as a new interpreter (one
+    ``zygote_failed`` event says why). A mistake costs speed, never a worker without
+    its GPU.
     """
-    import torch
+    return True
 
-    return not (torch.version.cuda or getattr(torch.version, "hip", None))
+
+#: torch's switch for a CUDA availability check through NVML, which does not initialise
+#: the CUDA driver (``cudaGetDeviceCount`` does, and a fork after it is unusable). Set
+#: in the zygote only; a forked child gets the job's own value back (:func:`_become_spare`).
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+_UNSET = object()
+_nvml_check_before: object = _UNSET  # the job's value, restored in each forked child
+
+
+def _stay_cuda_free() -> None:
+    """Make torch's CUDA availability checks in this process use NVML (read at each
+    call, so it also holds where torch was imported before: the agent's early fork)."""
+    global _nvml_check_before
+    if _nvml_check_before is _UNSET:
+        _nvml_check_before = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
+
+
+def _restore_cuda_check() -> None:
+    """In a forked child: the job's own availability check, as a fresh process has it."""
+    if _nvml_check_before is _UNSET:
+        return
+    if _nvml_check_before is None:
+        os.environ.pop(NVML_CHECK_ENV, None)
+    else:
+        os.environ[NVML_CHECK_ENV] = str(_nvml_check_before)
+
+
+def fork_hazard() -> str | None:
+    """Why a process forked from this one now could not use the GPU, or None.
+
+    Two signs: torch's CUDA state is initialised (``torch.cuda.is_initialized()``:
+    the child's first CUDA call would raise), or the CUDA driver library is loaded
+    (any CUDA runtime call loads it, and ``cuInit`` in a parent leaves the driver
+    unusable in its forked children even when torch's own state was never set up;
+    ``import torch`` does not load it: a CUDA build imports on hosts without a driver).
+    ROCm is covered by the first sign only.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return ("CUDA is initialised in the zygote; a process forked from it could not "
+                "use the GPU, so workers and spares start as new interpreters")
+    if _cuda_driver_loaded():
+        return ("the CUDA driver is loaded in the zygote; a process forked from it could "
+                "not use the GPU, so workers and spares start as new interpreters")
+    return None
+
+
+def _cuda_driver_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("/libcuda.so" in line for line in maps)
+    except OSError:
+        return False
 
 
 # --- the agent's side -------------------------------------------------------------------
@@ -289,7 +356,13 @@ def _freeze_heap() -> None:
 
 def _fork_spare(sock: socket.socket, fds: list[int]) -> list[int] | None:
     """Fork the spare through an intermediate process; returns ``fds`` in the spare
-    only. In the zygote: waits for the intermediate, then replies with the spare's pid."""
+    only. In the zygote: waits for the intermediate, then replies with the spare's pid,
+    or refuses (an ``error`` reply, no fork) where a fork could not use the GPU."""
+    hazard = fork_hazard()
+    if hazard is not None:
+        with contextlib.suppress(OSError):
+            sock.send(json.dumps({"error": hazard}).encode())
+        return None
     _freeze_heap()  # and what it imported since (the modules a job asked to warm)
     r, w = os.pipe()
     middle = os.fork()
@@ -320,6 +393,7 @@ def _become_spare(fds: list[int]) -> int:
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
+    _restore_cuda_check()
     _reseed()
     from replication.durable import worker as durable_worker
 
@@ -363,6 +437,7 @@ def run_forked(fd: int) -> int:
     env, warm = msg["env"], tuple(msg.get("warm", ()))
     os.environ.clear()
     os.environ.update(env)
+    _stay_cuda_free()
     import torch
 
     # torch read OMP_NUM_THREADS when the agent imported it; the job's value (the agent
@@ -378,6 +453,7 @@ def main(argv: list[str]) -> int:
     # here inherits this and takes the default back when it runs a rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
+    _stay_cuda_free()  # before torch is imported
     import torch
 
     return _warm_and_serve(sock, torch.get_num_threads())

@@ -1,9 +1,10 @@
 """Whether an agent gets a zygote, and which one (ADR 0011, ADR 0029).
 
 Kept apart from :mod:`launcher.zygote` (the process and its protocol) and from the agent
-(which only asks for one): the decision depends on the command line, the build of
-torch and what the kernel allows, and it picks between a zygote forked from the agent
-itself and one started as a new interpreter.
+(which only asks for one): the decision depends on the command line and what the
+kernel allows (every build of torch forks its workers now: :func:`launcher.zygote.
+forks_workers`), and it picks between a zygote forked from the agent itself and one
+started as a new interpreter.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from launcher.zygote import Zygote, forks_workers
 
 
 def wants_zygote(args: RunArgs) -> bool:
-    """A zygote for spares (ADR 0011), and on a CPU build of torch for every worker
-    (ADR 0029), unless ``--no-zygote``."""
+    """A zygote for spares (ADR 0011) and for every worker (ADR 0029; on GPU builds too,
+    see :func:`launcher.zygote.forks_workers`), unless ``--no-zygote``."""
     return args.zygote and (args.spares > 0 or forks_workers())
 
 

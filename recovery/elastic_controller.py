@@ -12,9 +12,7 @@ is also the creator torch calls for ``backend="checkpointless"``
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import os
 import threading
 import time
 import weakref
@@ -23,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from recovery import nccl_inner
 from recovery.elastic_group import BACKEND_NAME, ElasticProcessGroup
 from recovery.protocol import gen_prefix
 from replication.abortable_gloo import AbortableGloo
@@ -39,11 +38,8 @@ class _Inner:
     def abort(self) -> None:
         if self.gloo is not None:
             self.gloo.abort()
-        else:  # pragma: no cover - NCCL needs GPUs (untested here)
-            try:
-                self.backend.abort()
-            except Exception:
-                pass
+        else:  # pragma: no cover - NCCL needs GPUs (the GPU check runs one rank)
+            nccl_inner.abort(self.backend)
 
 
 class Controller:
@@ -124,13 +120,9 @@ class Controller:
         if kind == "gloo":
             gloo = AbortableGloo.create(store, group._rank, group._size, timeout_s)
             return _Inner(kind, gloo.backend, gloo)
-        if kind == "nccl":  # pragma: no cover - needs GPUs (untested here)
-            if self.nccl_fixed_algorithm:  # read by NCCL at its first communicator
-                os.environ.setdefault("NCCL_ALGO", "Ring")
-                os.environ.setdefault("NCCL_PROTO", "Simple")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=timeout_s)
-            backend = dist.ProcessGroupNCCL(store, group._rank, group._size, opts)
+        if kind == "nccl":  # pragma: no cover - needs GPUs (the GPU check runs one rank)
+            backend = nccl_inner.make_backend(store, group._rank, group._size, timeout_s,
+                                              fixed_algorithm=self.nccl_fixed_algorithm)
             return _Inner(kind, backend, None)
         raise ValueError(f"checkpointless: unsupported inner backend {kind!r} for {device}")
 

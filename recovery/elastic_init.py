@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recovery import device_placement
 from recovery.elastic_controller import controller, register_backend
 from recovery.elastic_group import BACKEND_NAME, is_owned
 
@@ -39,8 +40,8 @@ def inner_backends_for(backend: str | None) -> dict[str, str]:
         return {dev.strip(): kind.strip() for dev, kind in pairs.items()}
     if text == "nccl":
         return {"cpu": "gloo", "cuda": "nccl"}
-    if text == "gloo":
-        return {"cpu": "gloo"}
+    if text == "gloo":  # torch's gloo group takes CUDA tensors too (copied through host)
+        return {"cpu": "gloo", "cuda": "gloo"} if torch.cuda.is_available() else {"cpu": "gloo"}
     raise ValueError(f"checkpointless: backend {backend!r} is not supported "
                      "(gloo, nccl or cpu:gloo,cuda:nccl)")
 
@@ -123,6 +124,13 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
 
     register_backend()
     wenv = WorkerEnv.from_environ(env)
+    # Scripts build and move their model after this call: the rank's GPU is chosen here
+    # (the ``device_id`` the script names, else LOCAL_RANK's), not at the runtime's start.
+    device_id = kwargs.get("device_id")
+    if isinstance(device_id, torch.device) and device_id.type == "cuda":
+        torch.cuda.set_device(device_id)
+    else:
+        device_placement.place(wenv.local_rank)
     settings = worker_config(wenv.config_json)
     ctl = controller()
     ctl.ordered_allreduce = settings.recovery.ordered_allreduce
@@ -134,7 +142,7 @@ def join_default_group(rank: int, world_size: int, inner: dict[str, str],
         ctl.inner_backends = dict(inner)
     starting = not wenv.replacement and protocol.current_generation(ctl.store) == 0
     original = _original_init or dist.init_process_group
-    kwargs.pop("device_id", None)  # the inner NCCL group binds lazily
+    kwargs.pop("device_id", None)  # the inner NCCL group binds lazily (placed above)
     original(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size,
              timeout=datetime.timedelta(seconds=ctl.timeout_s), **kwargs)
     if starting and ctl.gen is None:

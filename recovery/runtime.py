@@ -32,6 +32,7 @@ import torch.distributed as dist
 from recovery import (
     auth,
     ddp_layout,
+    device_placement,
     divergence,
     drain,
     elastic_controller,
@@ -89,6 +90,7 @@ class Checkpointless:
         own framework register stand-ins); ``start=False`` defers joining the job to
         :meth:`start`, for callers whose training state does not exist yet."""
         self.env = env or WorkerEnv.from_environ()
+        device_placement.place(self.env.local_rank, model)  # LOCAL_RANK's GPU, unless chosen
         user_errors.refuse_unlaunched_multiprocess(self.env)
         self.settings = settings or worker_config(self.env.config_json)
         self.backend = backend
