@@ -104,7 +104,9 @@ class CheckpointlessLauncher(_Launcher):
     @staticmethod
     def _abandon_attempt(trainer: pl.Trainer) -> None:
         """Release what the failed attempt built, the way Lightning does after an error,
-        minus the ``on_exception`` hooks and logger finalisation: training goes on."""
+        minus the ``on_exception`` hooks and logger finalisation: training goes on. The
+        strategy's teardown sees ``abandoning`` and leaves the model and the optimizer
+        state on their device (``CheckpointlessStrategy._release_attempt``)."""
         strategy = trainer.strategy
         trainer.training = True  # the fit loop is the one to tear down, even mid-validation
         strategy.abandoning = True  # type: ignore[attr-defined]

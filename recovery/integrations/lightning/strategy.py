@@ -17,8 +17,10 @@ inside Lightning's own loop; the script changes nothing but the strategy name:
   failure is declared, whoever issued it: DDP's gradient all-reduce in ``backward``,
   Lightning's per-batch stop-flag broadcast, its barriers and metric syncs. So the
   strategy keeps DDPStrategy's own collectives and comm hooks unchanged. The exception
-  reaches the strategy's launcher (:mod:`.launcher`), which tears the attempt down, lets
-  the runtime recover, and re-enters ``fit`` from the restored state.
+  reaches the strategy's launcher (:mod:`.launcher`), which tears the attempt down (the
+  model and optimizer state stay on their device: Lightning's own teardown would copy
+  them to the host and back), lets the runtime recover, and re-enters ``fit`` from the
+  restored state.
 - **Durable tier.** ``ModelCheckpoint`` and ``trainer.save_checkpoint`` go through
   :class:`~.checkpoint_io.CheckpointlessCheckpointIO` (async, every rank, any fsspec URL);
   ``ckpt_path`` may name such a checkpoint, a ``persistence.path`` root, or
@@ -29,14 +31,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
 
-from recovery import ddp_layout, hosted_loader, protocol, world, world_resize
+from recovery import ddp_layout, device_placement, hosted_loader, protocol, world, world_resize
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning import loop_state, replayed_saves
 from recovery.integrations.lightning.checkpoint_io import (
@@ -171,6 +175,15 @@ class CheckpointlessStrategy(DDPStrategy):
                     f"{env.rank} of {env.world_size} (RANK/WORLD_SIZE). Start one process per "
                     "device with `checkpointless run` and set Trainer(devices=, num_nodes=) "
                     "to match --nproc-per-node and --nnodes")
+            if self.accelerator is not None:
+                # Lightning selects the device in ``setup_environment``, after the launcher
+                # has run; joining first would let the runtime's group, a replacement's
+                # pinned receive buffers and its RNG restore use CUDA's current device,
+                # cuda:0 on every local rank (a context each on GPU 0, NCCL on the wrong
+                # card). Lightning itself selects the device before its group exists.
+                self.accelerator.setup_device(self.root_device)
+                if self.root_device.type == "cuda":  # the runtime keeps Lightning's choice
+                    device_placement.chosen(self.root_device.index or 0)
             self.session = Checkpointless(
                 settings=self.settings, backend=self._get_process_group_backend(), env=env,
                 state=self.lstate.registry, start=False,
@@ -216,6 +229,19 @@ class CheckpointlessStrategy(DDPStrategy):
         self._step_at_fetch = None
         return step
 
+    def _get_process_group_backend(self) -> str:
+        """The inner backends of the runtime's group, per device (:mod:`recovery.elastic_init`).
+
+        ``process_group_backend="gloo"`` on GPUs: the runtime reads a bare ``"gloo"`` as
+        CPU tensors only, so DDP's all-reduce of CUDA gradients would find no backend in
+        every generation and each step would fail into a recovery. torch's own gloo group
+        takes CUDA tensors; so does a gloo inner backend for the ``cuda`` device.
+        """
+        backend = super()._get_process_group_backend()
+        if backend == "gloo" and self.root_device.type == "cuda":
+            return "cpu:gloo,cuda:gloo"
+        return backend
+
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
@@ -246,10 +272,49 @@ class CheckpointlessStrategy(DDPStrategy):
             if isinstance(io, CheckpointlessCheckpointIO):
                 io.flush_on_teardown = False  # never wait for storage on the recovery path
         try:
-            super().teardown()
+            if self.abandoning:
+                self._release_attempt()
+            else:
+                super().teardown()
         finally:
             if isinstance(io, CheckpointlessCheckpointIO):
                 io.flush_on_teardown = True
+
+    def _release_attempt(self) -> None:
+        """``DDPStrategy.teardown`` for a failed attempt, minus its moves to the CPU.
+
+        Lightning's teardown moves the model and the optimizer state to the CPU, which the
+        next ``fit`` attempt's ``model_to_device`` moves back: on a GPU, two passes of the
+        whole state over PCIe in every recovery (seconds for a large model), for state the
+        restore overwrites anyway. Here the model stays where it is and is unwrapped from
+        the failed attempt's DDP (re-wrapped by the next attempt, over the new generation's
+        group), its layer sync is reverted as Lightning does, and the device memory that
+        the move would have freed is freed without a copy: the interrupted step's
+        gradients and the failed attempt's optimizer state, both replaced by the restored
+        snapshot (the next attempt builds new optimizers and loads their state into them;
+        the runtime still names the old ones until its next snapshot, so dropping only
+        the references would keep that state on the device through the restore). The
+        precision plugin, accelerator (on CUDA: collect and empty the allocator's cache,
+        before the next generation's NCCL communicator allocates) and checkpoint IO are
+        torn down as Lightning does.
+        """
+        module = self.lightning_module
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = module
+        trainer = module._trainer if module is not None else None
+        if (self._layer_sync and trainer is not None and self.model is not None
+                and trainer.state.fn == TrainerFn.FITTING):
+            self.model = self._layer_sync.revert(self.model)
+        for optimizer in self.optimizers:
+            state = getattr(optimizer, "state", None)
+            if isinstance(state, MutableMapping):
+                state.clear()
+        if module is not None:
+            module.zero_grad(set_to_none=True)
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
