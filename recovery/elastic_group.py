@@ -66,12 +66,34 @@ from recovery.elastic_work import (
     _WorkWaiter,
 )
 from recovery.errors import CollectiveAborted
-from recovery.ordered_sum import LANE_SUFFIX, SerialLane, rank_ordered_sum
+from recovery.ordered_sum import LANE_SUFFIX, SerialLane, issue_point, rank_ordered_sum
 
 if TYPE_CHECKING:
     from recovery.elastic_controller import Controller, _Inner
 
 BACKEND_NAME = "checkpointless"
+
+
+def waits_on_inner(device: str, kind: str) -> bool:
+    """Whether a caller's ``wait()`` must also wait on the inner work, once its future
+    completed: for every backend but gloo on CPU tensors (whose future completes once
+    the result is written), that future says nothing of the caller's CUDA stream (see
+    :mod:`recovery.elastic_work`). gloo's CPU works are not waited on twice: that costs
+    a thread hand-off per collective on the hot path, for nothing."""
+    return device != "cpu" or kind != "gloo"
+
+
+def _cuda_devices(tensors: Any) -> list[torch.device]:
+    """The CUDA devices of ``tensors`` (nested lists), for a device-aware future."""
+    found: list[torch.device] = []
+    stack = [tensors]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor) and item.is_cuda and item.device not in found:
+            found.append(item.device)
+    return found
 
 
 def _gathered_alone(outputs: list[list[torch.Tensor]],
@@ -142,7 +164,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
         inner: dict[str, _Inner] = {}
         for device, kind in self._controller.inner_backends.items():
             inner[device] = self._controller.make_inner(self, gen, device, kind, nonce)
-            if self._controller.ordered_allreduce and self._size > 2 and device == "cpu":
+            if self._controller.ordered_allreduce and self._size > 2 and kind == "gloo":
                 inner[device + LANE_SUFFIX] = self._controller.make_inner(
                     self, gen, device + LANE_SUFFIX, kind, nonce)
         with self._lock:
@@ -174,17 +196,26 @@ class ElasticProcessGroup(dist.ProcessGroup):
             return tensors.device.type
         return "cpu"
 
-    def _begin(self, key: str) -> tuple[_Op | None, _Inner | None]:
+    def _kind(self, device: str) -> str | None:
+        """The kind of inner backend ("gloo", "nccl") that runs ``device``'s collectives:
+        what they can do (gloo has no AVG, whatever the device) depends on it."""
+        inner = self._inner.get(device)
+        return inner.kind if inner is not None else \
+            self._controller.inner_backends.get(device)
+
+    def _begin(self, key: str, tensors: Any = None) -> tuple[_Op | None, _Inner | None]:
         """A new operation, pending on inner backend ``key`` (a device, or a device's
         ordered lane) of this generation; ``(None, None)`` before this process joined
-        one. Raises :class:`CollectiveAborted` while a failure is declared."""
+        one. Raises :class:`CollectiveAborted` while a failure is declared. On CUDA
+        ``tensors``, the operation's future is device-aware (see :class:`_Op`)."""
+        devices = _cuda_devices(tensors) if key.startswith("cuda") else None
         with self._lock:
             failure, gen = self._failure, self._gen
             inner = self._inner.get(key) if gen is not None else None
             if failure is None and gen is not None and inner is None:
                 failure = f"no {key} backend in generation {gen}"
             if failure is None and inner is not None:
-                op = _Op()
+                op = _Op(devices)
                 self._pending.add(op)
                 return op, inner
         if failure is not None:
@@ -196,13 +227,19 @@ class ElasticProcessGroup(dist.ProcessGroup):
         """Run ``call(inner_backend)``, or ``local()`` before this process joined.
 
         ``post()``, if given, runs when the inner work succeeded and gives the value.
+        The operation is completed from the inner future's callback, whose current
+        streams wait on the inner work's (see :class:`_Op`), so a ``post()`` on CUDA
+        tensors runs after the collective, and the events of our future after both.
         """
-        op, inner = self._begin(self._device_of(tensors))
+        device = self._device_of(tensors)
+        op, inner = self._begin(device, tensors)
         if op is None:
             self._controller.local_collectives += 1
             return _completed(local())
         try:
             op.inner = call(inner.backend)
+            if waits_on_inner(device, inner.kind):
+                op.hold(op.inner)
         except RuntimeError as exc:  # the backend's own errors (a peer's socket closed)
             self._drop(op)
             raise _as_failure(exc) from exc
@@ -213,6 +250,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
             fut = op.inner.get_future()
         except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter)
             fut = self._waiter.watch(op.inner)
+        # A done-callback runs under the stream guard a ``then`` callback gets (the
+        # inner future's devices' streams, made to wait on its events), without the
+        # child future ``then`` would make on every collective.
         fut.add_done_callback(functools.partial(self._inner_done, op, post))
         return _Work(op)
 
@@ -245,13 +285,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceOptions()
         post = None
-        if opts.reduceOp == dist.ReduceOp.AVG and self._device_of(tensors) == "cpu":
-            # gloo has no AVG, and code that asks dist.get_backend() whether it runs on
-            # gloo (Lightning's metric sync) sees "checkpointless" and asks for it.
+        kind = self._kind(self._device_of(tensors))
+        if opts.reduceOp == dist.ReduceOp.AVG and kind == "gloo":
+            # gloo has no AVG, on CPU or CUDA tensors, and code that asks
+            # dist.get_backend() whether it runs on gloo (Lightning's metric sync) sees
+            # "checkpointless" and asks for it.
             summed = AllreduceOptions()
             summed.reduceOp, summed.timeout = dist.ReduceOp.SUM, opts.timeout
             opts, post = summed, functools.partial(self._divide, tensors)
-        if self._ordered(tensors, opts):
+        if self._ordered(tensors, opts, kind):
             return self._ordered_sum(tensors[0], post)
         return self._run(tensors, lambda b: b.allreduce(tensors, opts), lambda: tensors, post)
 
@@ -264,24 +306,26 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 t.copy_(t / self._size)
         return tensors
 
-    def _ordered(self, tensors: list[torch.Tensor], opts: Any) -> bool:
-        """Whether this all-reduce is summed in rank order (see :meth:`_ordered_sum`)."""
+    def _ordered(self, tensors: list[torch.Tensor], opts: Any, kind: str | None) -> bool:
+        """Whether this all-reduce is summed in rank order (see :meth:`_ordered_sum`):
+        on gloo only, CPU or CUDA tensors (the lane has not run over NCCL yet)."""
         if not self._controller.ordered_allreduce or self._size <= 2 or len(tensors) != 1:
             return False
-        t = tensors[0]  # CPU only: the lane has not run over NCCL yet
-        lane_built = self._gen is None or ("cpu" + LANE_SUFFIX) in self._inner
-        return (t.is_floating_point() and t.device.type == "cpu" and lane_built
+        t = tensors[0]
+        lane_built = self._gen is None or (t.device.type + LANE_SUFFIX) in self._inner
+        return (t.is_floating_point() and kind == "gloo" and lane_built
                 and opts.reduceOp == dist.ReduceOp.SUM)
 
     def _ordered_sum(self, tensor: torch.Tensor,
                      then: Callable[[], Any] | None = None) -> Any:
         """A floating-point sum whose every element adds the ranks in rank order, at a
         ring's traffic, on this generation's ordered lane (:mod:`recovery.ordered_sum`)."""
-        op, lane = self._begin(self._device_of(tensor) + LANE_SUFFIX)
+        op, lane = self._begin(self._device_of(tensor) + LANE_SUFFIX, tensor)
         if op is None:  # not joined yet: the sum of one rank's tensor is itself
             self._controller.local_collectives += 1
             return _completed(then() if then is not None else [tensor])
         self._controller.ordered_sums += 1
+        ready = issue_point(tensor)  # the lane's stream waits for the caller's
 
         def issue(call: Callable[[], Any]) -> Any:
             with self._lock:  # _fail() sees the work in flight, or we never issue it
@@ -293,7 +337,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
         def job() -> None:
             try:
-                rank_ordered_sum(lane.backend, tensor, self._size, issue)
+                rank_ordered_sum(lane.backend, tensor, self._size, issue, ready)
                 value = then() if then is not None else [tensor]
             except CollectiveAborted as exc:
                 op.finish(error=exc)

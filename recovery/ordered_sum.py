@@ -23,6 +23,12 @@ collective the caller issues meanwhile could get ahead of it on one rank and not
 another, and the ranks would pair different collectives. So ordered sums run on an
 inner backend of their own (a *lane*, built with the generation), one after the other
 in the order the caller issued them, by one thread: the same order on every rank.
+
+The lane runs wherever the inner backend is gloo, CPU or CUDA tensors. For CUDA ones
+the lane thread's stream first waits on where the caller's stream stood when it
+submitted the sum (:func:`issue_point`): the tensor may still be being written by the
+caller's kernels. The lane's gloo works' ``wait()`` order the lane's stream after each
+phase, and the group's device-aware future orders the caller's after the lane's.
 """
 
 from __future__ import annotations
@@ -44,8 +50,22 @@ Issue = Callable[[Callable[[], Any]], Any]
 declared mid-sum waits for, and never frees under, a collective in flight."""
 
 
-def rank_ordered_sum(backend: Any, tensor: torch.Tensor, size: int, issue: Issue) -> None:
-    """Sum ``tensor`` over the ``size`` ranks of ``backend`` in rank order, in place."""
+def issue_point(tensor: torch.Tensor) -> Any:
+    """A CUDA event on the caller's current stream for ``tensor``'s device, or None for
+    a tensor off CUDA: what the lane's stream waits on before reading the tensor."""
+    if not tensor.is_cuda:
+        return None
+    return torch.cuda.current_stream(tensor.device).record_event()
+
+
+def rank_ordered_sum(backend: Any, tensor: torch.Tensor, size: int, issue: Issue,
+                     ready: Any = None) -> None:
+    """Sum ``tensor`` over the ``size`` ranks of ``backend`` in rank order, in place.
+
+    ``ready``, from :func:`issue_point`, is waited on by this thread's current stream
+    first (CUDA tensors)."""
+    if ready is not None:
+        torch.cuda.current_stream(tensor.device).wait_event(ready)
     flat = tensor.detach().reshape(-1)
     numel = flat.numel()
     chunk = -(-numel // size)
