@@ -44,8 +44,9 @@ class RecoveryConfig:
     abort_backend: str = field(
         default="auto",
         metadata={
-            "help": "kept for old recipes; each inner backend is aborted its own way "
-                    "(gloo: sockets shut down, nccl: abort), see ADR 0015",
+            "help": "no effect, accepted so that old recipes still load: each inner "
+                    "backend is aborted its own way (gloo: sockets shut down, nccl: "
+                    "communicator abort), see ADR 0015 and ADR 0038",
             "choices": ["auto", "gloo", "nccl"],
         },
     )

@@ -60,12 +60,24 @@ class ReplicationConfig:
         },
     )
     device: str = field(
-        default="cpu",
+        default="auto",
         metadata={
-            "help": "snapshot buffer location: 'cpu' (host memory, pinned when CUDA is "
-                    "present; GPU tensors are copied there on a side stream). 'cuda' "
-                    "(buffers in spare GPU memory) is reserved and refused: not built yet",
-            "choices": ["cpu", "cuda"],
+            "help": "where a rank's own rollback copy lives: 'auto' (in spare memory of the "
+                    "GPU that holds the state when every slot fits, measured after the first "
+                    "step's peak; else host memory, with a log line saying why), 'host' (host "
+                    "memory, pinned when CUDA is present; GPU tensors are copied there on a side "
+                    "stream) or 'cuda' (the GPU, or an error when it cannot be). 'cpu' is the "
+                    "older name of 'host'. Replicas held for peers are host memory",
+            "choices": ["auto", "host", "cuda", "cpu"],
+        },
+    )
+    device_headroom: float = field(
+        default=0.1,
+        metadata={
+            "help": "with the device tier, the fraction of the GPU's total memory left free "
+                    "after the snapshot slots (for allocator fragmentation and later peaks)",
+            "min": 0.0,
+            "max": 0.9,
         },
     )
     checksum: str = field(

@@ -8,6 +8,11 @@ The plan counts each buffer at its own size, which is what it holds: pinned buff
 (GPU hosts) are ordinary memory page-locked in place (:func:`replication.slots.allocate_host`),
 not blocks of torch's pinned allocator, which rounds each one up to a power of two and
 keeps freed ones cached, outside any count.
+
+The device tier (:mod:`replication.device_tier`) does not change this plan: its slots
+keep their host buffers (the seal stages the device bytes there for the side channel
+and the durable tier), and its device buffers are checked against the GPU's free
+memory, measured after the first step, instead.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ A replica is the metadata and bytes of another rank's snapshot. Segments that we
 byte-identical to this rank's own snapshot of the same step (pure data parallelism)
 are not transferred or stored twice: the replica records them as *shared* and serves
 them from the local snapshot when the peer's state must be rebuilt.
+
+Replicas are host memory whatever ``replication.device`` says: only a rank's own
+rollback copy has a device tier (:mod:`replication.device_tier`). They arrive over the
+side channel (gloo, CPU sockets) into host memory and leave it the same way, and they
+are read only when a peer is lost, so holding them on a GPU would add two PCIe
+crossings per round for no faster recovery of this rank.
 """
 
 from __future__ import annotations

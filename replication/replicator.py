@@ -43,6 +43,7 @@ from replication.commit import COMMITTED_KEY, CommitLedger, committed_step
 from replication.commit_record import CommittedRecorder
 from replication.commit_tree import SideChannelTransport, TreeCommit
 from replication.config import MemoryConfig, ReplicationConfig
+from replication.device_tier import HOST_SETTINGS, DeviceTier, check_setting
 from replication.digest_copy import verify_as_they_land, verify_segments
 from replication.drift import DriftWatch
 from replication.errors import CheckpointlessError
@@ -154,6 +155,7 @@ class Replicator:
         durable_staging: bool = False,
         durable_zero_copy: bool = False,
         twins: Sequence[int] = (),
+        tier_device: torch.device | None = None,
     ) -> None:
         """``previous``: the previous generation's replicator, whose snapshots and
         replicas this one carries over (its side channel is not reused);
@@ -165,11 +167,12 @@ class Replicator:
         by the writer while the other two alternate), and no staging copy is counted.
         ``twins``: ranks whose state is this rank's own (data-parallel ranks, after the
         job's world changed size): it serves its own snapshots as theirs until a step
-        commits (then they have replicas), across generations until then."""
+        commits (then they have replicas), across generations until then.
+        ``tier_device``: the device of the device tier (``replication.device`` auto or
+        cuda), instead of the one the state's tensors live on; a CPU test passes the CPU."""
         self.config = config or ReplicationConfig()
-        if self.config.device != "cpu":  # the recipe validator refuses it with the key
-            raise ValueError(f"replication.device={self.config.device!r}: snapshot buffers "
-                             "in GPU memory are not built yet; use 'cpu'")
+        if tier_device is None:
+            check_setting(self.config.device)  # cuda without CUDA: one line, at start
         self.memory = memory or MemoryConfig()
         self.state = state
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
@@ -187,6 +190,7 @@ class Replicator:
             checksum=self.config.checksum, shared_memory=durable_zero_copy,
             num_slots=3 if durable_zero_copy else 2, streaming=self.config.streaming_copy,
             overlap=self.config.overlap_copy, overlap_min_bytes=self.config.overlap_min_bytes,
+            device_tier=self._device_tier(tier_device),
         )
         self.engine._on_allocate = self._check_layout_budget
         self.replicas = replicas or ReplicaStore(pin_memory=pin)
@@ -246,9 +250,19 @@ class Replicator:
         self.last_round: RoundStats | None = None
         self.check_budget(expected)
 
+    def _device_tier(self, device: torch.device | None) -> DeviceTier | None:
+        """The device tier ``replication.device`` asks for (``None``: host only).
+        Replicas held for peers stay in host memory whatever the setting."""
+        if self.config.device in HOST_SETTINGS:
+            return None
+        return DeviceTier(device, required=self.config.device == "cuda",
+                          headroom=self.config.device_headroom)
+
     # -- memory ----------------------------------------------------------------------
     def plan(self, state_bytes: int) -> MemoryPlan:
-        staging = 0  # snapshot buffers are host memory (replication.device=cpu): no staging
+        # Every slot keeps a host buffer, the device tier's too (it is staged there at the
+        # seal, for the side channel and the durable tier): no staging beyond the slots.
+        staging = 0
         durable = state_bytes if self._durable_staging else 0
         replica_sizes = tuple(self.state_bytes_of_rank[src] for src in self.sources[self.rank])
         return MemoryPlan(state_bytes, self.factor, staging, durable,

@@ -33,7 +33,12 @@ log = logging.getLogger("checkpointless.replication")
 
 @dataclass
 class SnapshotSlot:
-    """One of the two host buffers, with the step and metadata it currently holds."""
+    """One of the snapshot buffers, with the step and metadata it currently holds.
+
+    ``buffer`` is always host memory: what the side channel, the handover and the
+    durable tier read. With the device tier, the capture writes ``device_buffer`` and
+    the seal stages it into ``buffer`` (:mod:`replication.device_tier`).
+    """
 
     index: int
     buffer: torch.Tensor | None = None
@@ -48,6 +53,13 @@ class SnapshotSlot:
     hold: Callable[[], None] | None = None
     # the part of an overlapped capture still to be copied (SnapshotEngine.seal does it)
     pending: PendingCopy | None = None
+    # The device tier (replication.device_tier): the slot's device buffer and its
+    # views, whether it holds this step's bytes (the host buffer then gets them at the
+    # seal), and the event marking the end of the capture's copies into it.
+    device_buffer: torch.Tensor | None = None
+    device_views: list[torch.Tensor] = field(default_factory=list)
+    on_device: bool = False
+    device_done: Any = None
 
     @property
     def empty(self) -> bool:

@@ -18,6 +18,12 @@ fence makes every device's compute stream wait for it. CPU tests drive that path
 a simulated device whose copies land only when synchronised; only a GPU run shows the
 real streams.
 
+With a device tier (``replication.device`` auto or cuda, :mod:`replication.device_tier`)
+the slots also get a buffer in spare GPU memory once it is known to fit: a capture then
+copies device to device, the seal stages those bytes into the host buffer and hashes
+them as they land (the digests are the host tier's), and a rollback copies device to
+device, moving no state tensor over PCIe.
+
 When the durable tier persists snapshots (``shared_memory=True``), the slots live in
 shared memory (a memfd), so the durable writer's helper process reads a snapshot straight
 from its slot (:func:`~replication.slots.shared_location`) and the training process
@@ -44,6 +50,7 @@ from typing import Any
 import torch
 
 from replication import codec, device_copy, overlap, streamcopy
+from replication.device_tier import DeviceTier, host_tensors_home
 from replication.digest_copy import compute_digests, copy_and_digest, verify_segments
 from replication.layout import FlatState, SnapshotLayout, flatten, tensor_views, unflatten_segment
 from replication.overlap import (
@@ -67,6 +74,10 @@ def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: Snapsh
     """Verify ``buffer`` against ``meta`` (unless the caller just did) and load it into
     the live objects.
 
+    ``buffer`` may be a device tier's device buffer (``verify=False``: its bytes are
+    hashed as they are staged to the host, see :mod:`replication.device_tier`): the
+    tensors captured from the host go back there, the others are copied on the device.
+
     Everything is decoded before anything is loaded, so a malformed snapshot raises
     :class:`SnapshotError` (or ``ChecksumMismatch``) and leaves the live state untouched.
     """
@@ -84,6 +95,8 @@ def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: Snapsh
             raise SnapshotError(
                 f"snapshot of step {meta.step}: segment {seg.name!r} cannot be decoded: {exc}"
             ) from None
+    if buffer.device.type != "cpu":
+        states = host_tensors_home(states)
     state.restore(states)
 
 
@@ -102,6 +115,7 @@ class SnapshotEngine:
         streaming: bool = True,
         overlap: bool = False,
         overlap_min_bytes: int = DEFER_MIN_BYTES,
+        device_tier: DeviceTier | None = None,
     ) -> None:
         """``on_allocate(layout)`` is called before buffers are (re)allocated, so the
         caller can check the memory budget with the real snapshot size.
@@ -125,7 +139,13 @@ class SnapshotEngine:
         its round thread while the loop goes on. Optimizer step pre-hooks and a restore
         guard on ``state`` fence the copy (:meth:`fence`) before anything changes those
         tensors. A seal on the capturing thread is always safe, just not overlapped.
-        Optimizer-owned tensors under ``overlap_min_bytes`` are copied at capture."""
+        Optimizer-owned tensors under ``overlap_min_bytes`` are copied at capture.
+
+        ``device_tier``: keep the slots on a device as well when it decides so
+        (:mod:`replication.device_tier`); a capture into the device tier copies device
+        to device and overlaps nothing (it is already the cheap copy), the seal stages
+        the bytes into the host buffer and hashes them, a restore copies on the device.
+        """
         if checksum not in ("inline", "background"):
             raise ValueError(f"replication.checksum must be inline or background, got {checksum!r}")
         self.checksum = checksum
@@ -142,6 +162,8 @@ class SnapshotEngine:
         self._device_copier = device_copy.DeviceCopier()  # side streams, one per device
         self.overlap = overlap
         self.overlap_min_bytes = overlap_min_bytes
+        self.tier = device_tier
+        self._first_step: int | None = None  # the device tier decides after it
         self.pending: PendingCopy | None = None  # at most one: every capture fences first
         self.fence_wait_s = 0.0  # seconds spent in fence() outside capture: overlap's stall
         self.replay = ReplayCheck()  # a replayed step's digests against its first run's
@@ -169,7 +191,7 @@ class SnapshotEngine:
         self.fence()
         with self._lock:
             for slot in self.slots:
-                slot.step, slot.digests = -1, None
+                slot.step, slot.digests, slot.on_device = -1, None, False
             self._protected_step = -1
 
     # -- capture ---------------------------------------------------------------------
@@ -188,9 +210,15 @@ class SnapshotEngine:
             self._allocate(slot, flat.layout)
         with self._lock:  # see seal(): a round abandoned unsealed must not finish this slot
             slot.step, slot.digests = -1, None  # invalid until fully written
-            slot.pending = None
-        deferred = self._deferrable(flat) if self.overlap else []
-        if deferred:
+            slot.pending, slot.on_device, slot.device_done = None, False, None
+        on_device = self.tier is not None and self._device_ready(slot, flat, step)
+        deferred = self._deferrable(flat) if self.overlap and not on_device else []
+        if on_device:
+            assert self.tier is not None
+            # In a fresh list: the seal knows its capture by it (see seal()).
+            slot.device_done = [self.tier.copy_in(slot.device_views, flat.tensors)]
+            slot.on_device, slot.copy_done = True, None
+        elif deferred:
             now = sorted(frozenset(range(len(flat.tensors))).difference(deferred))
             streamcopy.copy_tensors([slot.views[i] for i in now], [flat.tensors[i] for i in now],
                                     enabled=self.streaming)
@@ -203,6 +231,35 @@ class SnapshotEngine:
                 slot.pending = self.pending = PendingCopy(slot, flat, deferred,
                                                           streaming=self.streaming)
         return slot
+
+    def _device_ready(self, slot: SnapshotSlot, flat: FlatState, step: int) -> bool:
+        """Whether this capture goes to the device tier; gives ``slot`` its device
+        buffer when it does. The tier decides at the first capture of a step after the
+        first one captured: the allocator has seen a whole step's peak by then."""
+        tier = self.tier
+        assert tier is not None and slot.layout is not None
+        if tier.active is None:
+            if self._first_step is None or self._first_step == step:
+                self._first_step = step
+                return False
+            need = len(self.slots) * flat.layout.nbytes
+            if not tier.decide(flat.tensors, need, self.device_bytes):
+                return False
+        if not tier.active:
+            return False
+        if slot.device_buffer is None or slot.device_buffer.numel() != slot.layout.nbytes:
+            slot.device_buffer, slot.device_views = None, []
+            if not tier.admit(len(self.slots) * slot.layout.nbytes):
+                self._drop_device_buffers()
+                return False
+            slot.device_buffer = tier.allocate(slot.layout.nbytes)
+            slot.device_views = tensor_views(slot.device_buffer, slot.layout)
+        return True
+
+    def _drop_device_buffers(self) -> None:
+        for s in self.slots:
+            if not s.on_device or s.step < 0:
+                s.device_buffer, s.device_views = None, []
 
     def _deferrable(self, flat: FlatState) -> list[int]:
         """Positions of the tensors an overlapped capture leaves to :class:`PendingCopy`;
@@ -308,6 +365,7 @@ class SnapshotEngine:
         if self._on_allocate is not None:
             self._on_allocate(layout)
         slot.buffer, slot.views = None, []  # drop the old buffer before allocating the new one
+        slot.device_buffer, slot.device_views, slot.on_device = None, [], False
         buf = allocate_shared(layout.nbytes, pin=self.pin_memory) if self.shared_memory else None
         if buf is None and self.shared_memory and layout.nbytes > 0:
             log.warning("cannot allocate a %d MB snapshot buffer in shared memory: using "
@@ -363,6 +421,17 @@ class SnapshotEngine:
             device_copy.synchronize(slot.copy_done)
             slot.copy_done = None
         assert slot.buffer is not None and slot.layout is not None
+        if slot.on_device and slot.digests is None:
+            assert self.tier is not None and slot.device_buffer is not None
+            captured = slot.device_done
+            assert captured is not None
+            digests = self.tier.stage(slot.device_buffer, slot.buffer, slot.layout,
+                                      slot.skeletons, captured[0])
+            with self._lock:  # as for a pending copy: an abandoned round's late seal
+                if slot.device_done is not captured:
+                    raise SnapshotError(f"the slot of step {slot.step} was reused before "
+                                        "its round sealed it")
+                slot.digests, slot.device_done = digests, None
         if slot.digests is None:
             slot.digests = compute_digests(slot.buffer, slot.layout, slot.skeletons)
         self.replay.record(slot.step, slot.digests, self.state.replay_exempt)
@@ -381,6 +450,7 @@ class SnapshotEngine:
             self._allocate(slot, layout)
         with self._lock:
             slot.step, slot.digests, slot.pending, slot.skeletons = -1, None, None, {}
+            slot.on_device = False  # the bytes arrive in the host buffer only
         return slot
 
     def adopt(self, slot: SnapshotSlot, meta: SnapshotMeta, *, verified: bool = False) -> None:
@@ -420,6 +490,11 @@ class SnapshotEngine:
         (``verify=False`` only right after :meth:`adopt` checked the same bytes)."""
         slot = self.slot_for(step)
         assert slot.buffer is not None
+        if slot.on_device and slot.device_buffer is not None:
+            # Device to device: nothing crosses PCIe. The bytes were hashed as the seal
+            # staged them; their host copy is not re-read for a check.
+            restore_from_buffer(self.state, slot.device_buffer, slot.meta(), verify=False)
+            return
         restore_from_buffer(self.state, slot.buffer, slot.meta(), verify=verify)
 
     @property
@@ -430,3 +505,8 @@ class SnapshotEngine:
     def allocated_bytes(self) -> int:
         """Host bytes held by the slots' buffers."""
         return sum(s.buffer.numel() for s in self.slots if s.buffer is not None)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes held by the slots' device-tier buffers."""
+        return sum(s.device_buffer.numel() for s in self.slots if s.device_buffer is not None)

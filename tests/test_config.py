@@ -385,14 +385,6 @@ def test_heartbeat_timeout_must_exceed_interval():
         )
 
 
-def test_gpu_resident_snapshot_buffers_are_refused_until_built():
-    """``replication.device=cuda`` is a valid choice with no implementation behind it: it
-    must fail at start-up naming the key, not run on host buffers silently."""
-    with pytest.raises(ConfigError, match=r"replication\.device: got 'cuda'; snapshot "
-                                          r"buffers in GPU memory are not built yet"):
-        load_config(None, ["replication.device=cuda"], env={})
-
-
 @pytest.mark.parametrize("fault", ["x", "1:2", "a:1:forward", "1:2:3:4:5", "1::x"])
 def test_malformed_fault_spec(fault):
     with pytest.raises(ConfigError, match="rank:step:phase"):

@@ -161,13 +161,6 @@ def test_snapshot_refuses_to_grow_past_the_budget_and_keeps_the_committed_step()
         rep.close()
 
 
-def test_replicator_refuses_gpu_resident_buffers_it_cannot_build():
-    """Library users bypass the recipe validator: the replicator refuses the setting."""
-    with pytest.raises(ValueError, match=r"replication\.device='cuda'"):
-        Replicator(TrainingState(), store=dist.HashStore(), rank=0, world_size=1, node=0,
-                   config=ReplicationConfig(device="cuda"))
-
-
 def test_budget_counts_the_replicas_a_rank_actually_holds(tmp_path):
     """Nodes of uneven size: with k=2, ranks 0 and 1 (node 0) both keep their replica on
     rank 2 (node 1), which holds two replicas where k - 1 = 1 would suggest one. A budget

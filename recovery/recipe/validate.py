@@ -68,18 +68,6 @@ def _fault_spec_shape(cfg: CheckpointlessConfig, res: Resolution) -> list[Proble
     return []
 
 
-def _device_is_built(cfg: CheckpointlessConfig, res: Resolution) -> list[Problem]:
-    if cfg.replication.device == "cpu":
-        return []
-    spec = _spec("replication", "device")
-    msg = (
-        f"got {short_repr(cfg.replication.device)}; snapshot buffers in GPU memory are not "
-        "built yet. Use 'cpu' (the default): GPU tensors are copied on a side stream into "
-        "pinned host memory"
-    )
-    return [Problem(spec.key, msg, res.source_of(spec))]
-
-
 _CHECKS: list[tuple[tuple[tuple[str, str], ...], Check]] = [
     (
         (("persistence", "path"), ("persistence", "every_n_steps"), ("persistence", "interval_s")),
@@ -90,7 +78,6 @@ _CHECKS: list[tuple[tuple[tuple[str, str], ...], Check]] = [
         _heartbeat_timeout_exceeds_interval,
     ),
     ((("recovery", "fault"),), _fault_spec_shape),
-    ((("replication", "device"),), _device_is_built),
 ]
 
 
