@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 # `.ci/run` sets SUITE_BUDGET=--warn-over=900: a warning when the main suite passes 15 min.
 SUITE_BUDGET ?=
 
-.PHONY: setup setup-nemo bytecode demo docs test test-nemo test-fast test-slow bench lint clean
+.PHONY: setup setup-nemo bytecode demo docs test test-nemo test-fast test-slow bench lint clean test-gpu
 
 setup: $(STAMP)
 	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
@@ -85,3 +85,10 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) $(NEMO_VENV) build *.egg-info .pytest_cache
+
+# The GPU check (docs/gpu.md) on the device machine's own python3, not the CPU venv: the
+# C extension is built for that interpreter (optional: without it snapshots copy with
+# torch), then every check runs in its own process under its own timeout, 8 minutes in all.
+test-gpu:
+	-PYTHONPATH=. python3 -c "from setuptools import setup, Extension; setup(script_args=['build_ext','--inplace','-q'], ext_modules=[Extension('replication._streamcopy', ['replication/_streamcopy.c'], extra_compile_args=['-O2'])])" || echo "streamcopy extension not built: snapshots fall back to torch copies"
+	PYTHONPATH=. timeout 500 python3 tests/gpu/run_gpu_check.py --budget-s 470

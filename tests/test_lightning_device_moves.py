@@ -182,8 +182,12 @@ def main():
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0)
     wrap_setup_device(type(trainer.accelerator))
-    trainer.fit(Net(), DataLoader(data, batch_size=4, shuffle=True))
-    probe.update(moves=moves, order=order, step=trainer.global_step)
+    net = Net()
+    trainer.fit(net, DataLoader(data, batch_size=4, shuffle=True))
+    import hashlib
+    digest = hashlib.sha256(b"".join(p.detach().cpu().contiguous().numpy().tobytes()
+                                     for p in net.parameters())).hexdigest()
+    probe.update(moves=moves, order=order, step=trainer.global_step, digest=digest)
     with open(os.path.join(args.out, f"probe_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(probe, f)
 
