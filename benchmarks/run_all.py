@@ -213,7 +213,14 @@ BENCHES = {
                 "0.986. On CPU-bound steps the margin is within the noise of the inputs "
                 "(the run before gave 1.0017, its CPU-bound rerun 0.9975). "
                 "Timings on this shared 2-core host move with its load: `load_avg_1m` "
-                "lists the 1-minute load average around each job.",
+                "lists the 1-minute load average around each job. After the GPU path's "
+                "changes (ADR 0038: CUDA stream ordering in the process group, the GPU "
+                "snapshot tier, which `auto` resolves to host memory on CPU hosts), "
+                "quick runs side by side with the code before them, 2026-11-28: "
+                "`overhead_plain_default_cpu` +5.8 %, +4.1 % and +0.0 % after against "
+                "-1.6 % and +7.1 % before; `_device` +0.49 %, +0.62 % and +0.57 % "
+                "against +0.61 % and +0.58 %: no change beyond the quick mode's noise. "
+                "The full run below predates them.",
     },
     "bench_dataloader_cache": {
         "title": "Data loader cache",
@@ -360,6 +367,10 @@ def render(results: dict, quick: bool) -> str:
         "Reproduce: `make bench` (full) or `.venv/bin/python -m benchmarks.run_all --quick`;",
         "one benchmark: `.venv/bin/python -m benchmarks.<name> [--quick]` (last stdout line is",
         "JSON). Raw results: `benchmarks/results/latest.json`.",
+        "",
+        "`benchmarks/bench_gpu.py` (the snapshot stall and copy throughput on a GPU, and the",
+        "GPU snapshot tier's rollback against host memory) runs only on a CUDA machine and",
+        "is not part of this page: it has not run yet ([docs/gpu.md](docs/gpu.md)).",
         "",
     ]
     for name, spec in BENCHES.items():
