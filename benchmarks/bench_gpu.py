@@ -35,7 +35,10 @@ def _pinned_d2h_s(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(state_bytes: int, repeats: int) -> dict[str, object]:
+def adam_state(state_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+                                             Callable[[], torch.Tensor]]:
+    """A model and Adam state on the current GPU of about ``state_bytes`` (weights and
+    two moments), and a training step returning its loss (not synchronised)."""
     width = 4096
     layers = max(1, state_bytes // (3 * 4 * width * width))
     model = torch.nn.Sequential(
@@ -43,11 +46,18 @@ def measure(state_bytes: int, repeats: int) -> dict[str, object]:
     ).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    def step() -> None:
-        model(torch.randn(8, width, device="cuda")).square().mean().backward()
+    def step() -> torch.Tensor:
+        loss = model(torch.randn(8, width, device="cuda")).square().mean()
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
+    return model, opt, step
+
+
+def measure(state_bytes: int, repeats: int) -> dict[str, object]:
+    model, opt, step = adam_state(state_bytes)
     step()
     state = TrainingState()
     state.register("model", model)

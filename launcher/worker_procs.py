@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from launcher import worker_output
 from launcher.sigint_hold import sigint_held
-from launcher.zygote import Zygote, ZygoteError, forks_workers
+from launcher.zygote import Zygote, ZygoteError
 from recovery import drain
 from recovery.events import Event
 from replication.forked import ForkedProcess
@@ -213,7 +213,7 @@ class SparePool:
         self.zygote = zygote
         self._zygote_since = time.monotonic()
         #: First starts fork from the zygote too (ADR 0029; any build of torch).
-        self.forks_workers = zygote is not None and forks_workers()
+        self.forks_workers = zygote is not None
 
     def fill(self) -> None:
         if time.monotonic() < self._refill_at:

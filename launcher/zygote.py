@@ -97,22 +97,6 @@ class BecomeZygote(BaseException):
 early_fork_allowed = False
 
 
-def forks_workers() -> bool:
-    """Whether first workers, and replacements when no spare is idle, may be forked
-    from the zygote (ADR 0029): on every build of torch.
-
-    GPU builds were once excluded, because the zygote's warm-up initialised the GPU
-    runtime (its optimizer step asked ``torch.cuda.is_available()`` and whether the
-    current stream was capturing), and a process forked after that cannot use the GPU.
-    The zygote now keeps the runtime uninitialised (see the module's docstring), and it
-    checks before every fork (:func:`fork_hazard`): where something did initialise the
-    runtime, it refuses, and the agent starts the rank as a new interpreter (one
-    ``zygote_failed`` event says why). A mistake costs speed, never a worker without
-    its GPU.
-    """
-    return True
-
-
 #: torch's switch for a CUDA availability check through NVML, which does not initialise
 #: the CUDA driver (``cudaGetDeviceCount`` does, and a fork after it is unusable). Set
 #: in the zygote only; a forked child gets the job's own value back (:func:`_become_spare`).

@@ -2,9 +2,10 @@
 
 Kept apart from :mod:`launcher.zygote` (the process and its protocol) and from the agent
 (which only asks for one): the decision depends on the command line and what the
-kernel allows (every build of torch forks its workers now: :func:`launcher.zygote.
-forks_workers`), and it picks between a zygote forked from the agent itself and one
-started as a new interpreter.
+kernel allows (every build of torch forks its workers: the zygote keeps CUDA
+uninitialised and refuses a fork where it is not, :func:`launcher.zygote.fork_hazard`),
+and it picks between a zygote forked from the agent itself and one started as a new
+interpreter.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from collections.abc import Callable, Mapping
 
 from launcher import reaper, script_imports
 from launcher.run_args import RunArgs
-from launcher.zygote import Zygote, forks_workers
+from launcher.zygote import Zygote
 
 
 def wants_zygote(args: RunArgs) -> bool:
     """A zygote for spares (ADR 0011) and for every worker (ADR 0029; on GPU builds too,
-    see :func:`launcher.zygote.forks_workers`), unless ``--no-zygote``."""
-    return args.zygote and (args.spares > 0 or forks_workers())
+    see :func:`launcher.zygote.fork_hazard`), unless ``--no-zygote``."""
+    return args.zygote
 
 
 def start_zygote(
@@ -41,8 +42,8 @@ def start_zygote(
             early.stop()
         return None
     if early is not None:  # forked from the agent: it only needs the job's environment
-        warm = (script_imports.frameworks_to_warm(args.script, args.module)
-                if forks_workers() else ())  # for the first workers (ADR 0029)
+        # for the first workers (ADR 0029)
+        warm = script_imports.frameworks_to_warm(args.script, args.module)
         early.configure(env, emit, warm)
         return early
     zygote = Zygote(env, emit)

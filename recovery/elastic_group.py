@@ -285,15 +285,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceOptions()
         post = None
-        kind = self._kind(self._device_of(tensors))
-        if opts.reduceOp == dist.ReduceOp.AVG and kind == "gloo":
+        device = self._device_of(tensors)
+        if opts.reduceOp == dist.ReduceOp.AVG and self._kind(device) == "gloo":
             # gloo has no AVG, on CPU or CUDA tensors, and code that asks
             # dist.get_backend() whether it runs on gloo (Lightning's metric sync) sees
             # "checkpointless" and asks for it.
             summed = AllreduceOptions()
             summed.reduceOp, summed.timeout = dist.ReduceOp.SUM, opts.timeout
             opts, post = summed, functools.partial(self._divide, tensors)
-        if self._ordered(tensors, opts, kind):
+        if self._ordered(tensors, opts, device):
             return self._ordered_sum(tensors[0], post)
         return self._run(tensors, lambda b: b.allreduce(tensors, opts), lambda: tensors, post)
 
@@ -306,15 +306,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
                 t.copy_(t / self._size)
         return tensors
 
-    def _ordered(self, tensors: list[torch.Tensor], opts: Any, kind: str | None) -> bool:
+    def _ordered(self, tensors: list[torch.Tensor], opts: Any, device: str) -> bool:
         """Whether this all-reduce is summed in rank order (see :meth:`_ordered_sum`):
         on gloo only, CPU or CUDA tensors (the lane has not run over NCCL yet)."""
         if not self._controller.ordered_allreduce or self._size <= 2 or len(tensors) != 1:
             return False
         t = tensors[0]
         lane_built = self._gen is None or (t.device.type + LANE_SUFFIX) in self._inner
-        return (t.is_floating_point() and kind == "gloo" and lane_built
-                and opts.reduceOp == dist.ReduceOp.SUM)
+        return (t.is_floating_point() and lane_built and opts.reduceOp == dist.ReduceOp.SUM
+                and self._kind(device) == "gloo")
 
     def _ordered_sum(self, tensor: torch.Tensor,
                      then: Callable[[], Any] | None = None) -> Any:

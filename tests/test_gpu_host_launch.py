@@ -216,16 +216,6 @@ def test_a_zygote_with_cuda_initialised_refuses_to_fork_and_says_so_once(monkeyp
     agent_side.stop()
 
 
-def test_first_workers_fork_on_gpu_builds_too(monkeypatch):
-    """The zygote stays free of CUDA and refuses a fork where it is not: first workers
-    fork from it on CUDA and ROCm builds as on CPU builds."""
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert zygote.forks_workers() is True
-    monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
-    assert zygote.forks_workers() is True
-
-
 # --- NCCL's watchdog ---------------------------------------------------------------------
 #: torch's name for the watchdog's mode, and its older one (still read).
 NCCL_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")

@@ -148,17 +148,3 @@ def test_a_zygote_that_dies_while_importing_is_marked_failed_not_raised():
     zygote.stop()
 
 
-def test_workers_are_forked_from_every_build_of_torch(monkeypatch):
-    """The zygote never initialises CUDA (NVML availability check, a warm-up without
-    the autograd engine or the optimizer's capture check) and refuses a fork if
-    anything did, so first workers fork on CUDA and ROCm builds as on CPU ones."""
-    import torch
-
-    from launcher.zygote import forks_workers
-
-    assert forks_workers() is True
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert forks_workers() is True
-    monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
-    assert forks_workers() is True

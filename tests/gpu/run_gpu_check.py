@@ -69,25 +69,14 @@ def _driver_version() -> str | None:
         return None
 
 
-def _adam_state(target_bytes: int) -> tuple[Any, Any, Any]:
-    """A model and Adam state on ``cuda:0`` of about ``target_bytes`` (params + 2 moments)."""
-    import torch
+def _adam_state(target_bytes: int) -> tuple[Any, Any, Callable[[], float]]:
+    """The benchmark's model and Adam state on ``cuda:0`` (:func:`benchmarks.bench_gpu.
+    adam_state`, imported here so that a missing dependency fails this check only), with
+    a step that returns its loss as a float."""
+    from benchmarks.bench_gpu import adam_state
 
-    width = 4096
-    layers = max(1, target_bytes // (3 * 4 * width * width))
-    model = torch.nn.Sequential(
-        *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
-    ).cuda()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def step() -> float:
-        loss = model(torch.randn(8, width, device="cuda")).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
-
-    return model, opt, step
+    model, opt, step = adam_state(target_bytes)
+    return model, opt, lambda: float(step())
 
 
 def _engine(model: Any, opt: Any) -> Any:
