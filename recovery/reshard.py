@@ -126,7 +126,7 @@ def replica_states(engine: Any, replicas: Any, own: int,
         if step not in steps or src == own:
             continue
         rslot = replicas.get(src, step)
-        buffer = rslot.buffer.clone()
+        buffer = rslot.host_copy()
         for name in rslot.shared:
             seg = rslot.meta.layout.segment(name)
             buffer[seg.offset: seg.offset + seg.nbytes].copy_(mine.segment_bytes(name))

@@ -67,7 +67,9 @@ class ReplicationConfig:
                     "step's peak; else host memory, with a log line saying why), 'host' (host "
                     "memory, pinned when CUDA is present; GPU tensors are copied there on a side "
                     "stream) or 'cuda' (the GPU, or an error when it cannot be). 'cpu' is the "
-                    "older name of 'host'. Replicas held for peers are host memory",
+                    "older name of 'host'. Replicas held for peers that mostly arrive (not "
+                    "shared with this rank's own state) use the same GPU when what the own "
+                    "slots leave of that budget holds both of their slots; else host memory",
             "choices": ["auto", "host", "cuda", "cpu"],
         },
     )

@@ -13,8 +13,9 @@ buffer into the slot's host buffer (pinned on GPU hosts) chunk by chunk on a sid
 stream and hashes each chunk as soon as it has landed (:meth:`DeviceTier.stage`), so
 the digests are those of the host tier for the same state (:func:`segment_digest` over
 the same bytes), and the side channel (gloo, CPU sockets), the handover and the durable
-tier read the staged host bytes exactly as before. Replicas held for peers stay in
-host memory (:mod:`replication.replicas`).
+tier read the staged host bytes exactly as before. Replicas held for peers use the
+budget left after the own slots (:meth:`DeviceTier.reserve_replica`,
+:mod:`replication.replica_tier`).
 
 Whether the tier is used is decided once, at the first capture of a step later than
 the first step the engine captured (the runtime commits the initial state before any
@@ -98,6 +99,8 @@ class DeviceTier:
         self.active: bool | None = None  # None: not decided yet
         self.reason = ""
         self._budget = 0  # bytes the tier may hold, fixed at the decision
+        self._own = 0  # bytes the own snapshot slots need (at the decision, or admitted)
+        self._replicas = 0  # bytes of replicas held for peers (replication.replicas)
         self._side: Any = None
 
     # -- the decision ------------------------------------------------------------------
@@ -130,14 +133,14 @@ class DeviceTier:
             else:
                 free, total = (int(x) for x in query(device))
                 self._budget = free + held - int(self.headroom * total)
-                fits = need <= self._budget
+                fits = need + self._replicas <= self._budget
                 self.reason = (
                     f"{_fmt(need)} of snapshot slots {'fit' if fits else 'do not fit'} in "
                     f"{_fmt(max(0, self._budget))} spare on {device} (free after the first "
                     f"step's peak, less replication.device_headroom={self.headroom:g} of "
                     f"{_fmt(total)})")
                 if fits:
-                    self.active = True
+                    self.active, self._own = True, need
                     log.info("snapshot copies: device tier: %s", self.reason)
                     return True
         self.active = False
@@ -150,7 +153,8 @@ class DeviceTier:
     def admit(self, need: int) -> bool:
         """Whether ``need`` device bytes in all still fit the budget fixed at the
         decision (a layout that grew); turns the tier off, with a log line, if not."""
-        if need <= self._budget:
+        if need + self._replicas <= self._budget:
+            self._own = need
             return True
         self.active = False
         self.reason = f"the state grew to {_fmt(need)} of slots, over {_fmt(self._budget)}"
@@ -158,6 +162,20 @@ class DeviceTier:
             raise DeviceTierError(f"replication.device=cuda cannot be used: {self.reason}")
         log.warning("snapshot copies: host tier from now on: %s", self.reason)
         return False
+
+    def reserve_replica(self, nbytes: int, replacing: int = 0) -> bool:
+        """Whether a replica buffer of ``nbytes`` (instead of one of ``replacing``
+        bytes, released right after) fits beside the own slots and the replicas
+        already held; counts it when it does. The own slots come first: they were
+        counted at the decision."""
+        if not self.active or self._own + self._replicas - replacing + nbytes > self._budget:
+            return False
+        self._replicas += nbytes
+        return True
+
+    def release_replica(self, nbytes: int) -> None:
+        """A replica buffer of ``nbytes`` counted by :meth:`reserve_replica` was freed."""
+        self._replicas = max(0, self._replicas - nbytes)
 
     # -- copies ------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> torch.Tensor:

@@ -39,7 +39,8 @@ import torch
 from replication import tags
 from replication.digest_copy import verify_as_they_land
 from replication.layout import SegmentLayout, SnapshotLayout
-from replication.replicas import ReplicaStore
+from replication.replica_tier import StagingRing, receive_staged, send_staged
+from replication.replicas import ReplicaSlot, ReplicaStore
 from replication.snapshot import SnapshotEngine
 from replication.snapshot_meta import SnapshotMeta
 from replication.tags import MAX_SEGMENTS
@@ -52,6 +53,17 @@ _DATA_TAG = tags.HANDOVER_DATA
 
 SegmentSource = Callable[[SegmentLayout], torch.Tensor]
 """A segment's bytes (a contiguous uint8 view of ``seg.nbytes``), wherever they lie."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """A replica a provider sends: its metadata, where its segments lie, and the staging
+    ring when they lie in device memory (gloo sends host memory only,
+    :mod:`replication.replica_tier`); ``None``: host memory, sent where it lies."""
+
+    meta: SnapshotMeta
+    source: SegmentSource
+    ring: StagingRing | None = None
 
 
 @dataclass
@@ -79,7 +91,7 @@ class _Laps:
 
 def hand_over(
     *, channel: SideChannel, engine: SnapshotEngine, replicas: ReplicaStore,
-    serve: Callable[[int, int], tuple[SnapshotMeta, SegmentSource]],
+    serve: Callable[[int, int], Served],
     rank: int, target_step: int, providers: Mapping[int, int],
     holders: Sequence[Sequence[int]], sources: Sequence[int], factor: int, chunk_bytes: int,
     dedupe: bool = True,
@@ -87,18 +99,19 @@ def hand_over(
     """Run steps 1-5 of the module docstring on this rank; returns what moved.
 
     ``providers`` maps each newcomer rank to the rank that sends it its state;
-    ``serve(src, step)`` returns the metadata of the replica of ``src`` held here and
-    where each of its segments lies. ``dedupe`` lets a reseed skip what the receiver
-    already holds (``replication.dedupe``).
+    ``serve(src, step)`` returns the replica of ``src`` held here (:class:`Served`); one
+    in device memory is sent through host chunks before this rank goes on. ``dedupe``
+    lets a reseed skip what the receiver already holds (``replication.dedupe``).
     """
     out = HandoverResult()
     laps = _Laps()
     sends: list = []
     for dst, provider in sorted(providers.items()):
         if provider == rank:
-            meta, source = serve(dst, target_step)
-            sends += post_state(channel, dst, meta, source, chunk_bytes)
-            out.moved += meta.layout.nbytes
+            served = serve(dst, target_step)
+            sends += post_state(channel, dst, served.meta, served.source, chunk_bytes,
+                                ring=served.ring)
+            out.moved += served.meta.layout.nbytes
     if rank in providers:
         # Received straight into a snapshot slot: from now on this rank holds its own
         # snapshot of the target step, without capturing its state again.
@@ -152,17 +165,24 @@ def _pieces(
 
 def post_state(
     channel: SideChannel, dst: int, meta: SnapshotMeta, source: SegmentSource,
-    chunk_bytes: int, skip: frozenset[str] = frozenset(),
+    chunk_bytes: int, skip: frozenset[str] = frozenset(), ring: StagingRing | None = None,
 ) -> list:
     """Post the sends of a snapshot to ``dst`` without waiting; returns the works.
-    Segments named in ``skip`` are not sent (the receiver must skip the same)."""
+    Segments named in ``skip`` are not sent (the receiver must skip the same). With
+    ``ring`` (segments in device memory), the bytes are staged through it chunk by
+    chunk and sent before this returns: only the header's and metadata's works are
+    returned then."""
     raw = meta.to_bytes()
     header = torch.tensor([len(raw), meta.layout.nbytes], dtype=torch.int64)
     meta_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     works = channel.post_send(header, dst, _HEADER_TAG, 1 << 30)
     works += channel.post_send(meta_t, dst, _META_TAG, len(raw))
     chunks = [c for _, cs in _pieces(meta.layout, source, chunk_bytes, skip) for c in cs]
-    works += channel.post_send_pieces(chunks, dst, _DATA_TAG)
+    if ring is not None:
+        send_staged(channel, dst, [(_DATA_TAG + i, c) for i, c in enumerate(chunks)], ring,
+                    f"state for rank {dst}")
+    else:
+        works += channel.post_send_pieces(chunks, dst, _DATA_TAG)
     return works
 
 
@@ -170,11 +190,13 @@ def receive_state(
     channel: SideChannel, src: int, chunk_bytes: int,
     into: Callable[[SnapshotMeta], torch.Tensor],
     skip: Callable[[SnapshotMeta], frozenset[str]] = lambda meta: frozenset(),
+    ring: Callable[[], StagingRing | None] = lambda: None,
 ) -> tuple[SnapshotMeta, frozenset[str]]:
     """Receive a snapshot from ``src`` into the buffer ``into(meta)`` returns (a slot,
     laid out as ``meta.layout``), checking every received segment's checksum as its
     chunks land. ``skip(meta)`` names the segments the sender leaves out; returns the
-    metadata and those names."""
+    metadata and those names. ``ring()``, asked once ``into`` has run, is the staging
+    ring when that buffer is device memory (:func:`replication.replica_tier.receive_staged`)."""
     header = torch.empty(2, dtype=torch.int64)
     channel.wait(channel.post_recv(header, src, _HEADER_TAG, 1 << 30), "state header")
     meta_len, nbytes = (int(x) for x in header.tolist())
@@ -188,9 +210,15 @@ def receive_state(
     skipped = skip(meta)
     pieces = _pieces(meta.layout, lambda seg: buffer[seg.offset : seg.offset + seg.nbytes],
                      chunk_bytes, skipped)
+    what = f"state from rank {src}"
+    staging = ring()
+    if staging is not None:
+        tags = iter(range(_DATA_TAG, _DATA_TAG + sum(len(cs) for _, cs in pieces)))
+        receive_staged(channel, src, [(name, [(next(tags), c) for c in cs])
+                                      for name, cs in pieces], meta, staging, what)
+        return meta, skipped
     works = iter(channel.post_recv_pieces([c for _, cs in pieces for c in cs], src, _DATA_TAG))
     pending = [(name, [next(works) for _ in cs]) for name, cs in pieces]
-    what = f"state from rank {src}"
     verify_as_they_land(pending, meta, lambda w: channel.wait([w], what), what)
     return meta, skipped
 
@@ -236,24 +264,38 @@ def reseed_replicas(
     for src in sources:
         if src == rank or held[rank][src]:
             continue
-        slot = None
-
-        def into(m: SnapshotMeta, src: int = src) -> torch.Tensor:
-            nonlocal slot
-            slot = replicas.writable(src, m.layout.nbytes)
-            assert slot.buffer is not None
-            return slot.buffer
-
-        got, shared = receive_state(channel, src, chunk_bytes, into=into,
-                                    skip=lambda m: _shared_with(m, has[rank]))
+        landing = _Landing(replicas, src, has[rank])
+        got, shared = receive_state(channel, src, chunk_bytes, into=landing.into,
+                                    skip=lambda m: _shared_with(m, has[rank]),
+                                    ring=landing.ring)
         if got.step != step:
             raise ValueError(f"rank {src} sent its state of step {got.step}, expected {step}")
+        slot = landing.slot
         assert slot is not None
         replicas.adopt(slot, got, shared=shared)
         moved += got.layout.nbytes - _nbytes(got, shared)
         skipped += _nbytes(got, shared)
     channel.wait(works, "replica reseed")
     return moved, skipped
+
+
+class _Landing:
+    """The replica slot a reseed receives ``src``'s state into, chosen once its metadata
+    says how much will arrive (device memory or host: :meth:`ReplicaStore.writable`)."""
+
+    def __init__(self, replicas: ReplicaStore, src: int, mine: set[int]) -> None:
+        self.replicas, self.src, self.mine = replicas, src, mine
+        self.slot: ReplicaSlot | None = None
+
+    def into(self, meta: SnapshotMeta) -> torch.Tensor:
+        received = meta.layout.nbytes - _nbytes(meta, _shared_with(meta, self.mine))
+        self.slot = self.replicas.writable(self.src, meta.layout.nbytes, received)
+        assert self.slot.buffer is not None
+        return self.slot.buffer
+
+    def ring(self) -> StagingRing | None:
+        assert self.slot is not None
+        return self.replicas.ring() if self.slot.on_device else None
 
 
 def _nbytes(meta: SnapshotMeta, names: frozenset[str]) -> int:

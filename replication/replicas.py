@@ -5,11 +5,10 @@ byte-identical to this rank's own snapshot of the same step (pure data paralleli
 are not transferred or stored twice: the replica records them as *shared* and serves
 them from the local snapshot when the peer's state must be rebuilt.
 
-Replicas are host memory whatever ``replication.device`` says: only a rank's own
-rollback copy has a device tier (:mod:`replication.device_tier`). They arrive over the
-side channel (gloo, CPU sockets) into host memory and leave it the same way, and they
-are read only when a peer is lost, so holding them on a GPU would add two PCIe
-crossings per round for no faster recovery of this rank.
+With the device tier in use (:mod:`replication.device_tier`), a replica that is mostly
+received (not shared) lives in spare device memory when the tier's budget has room for
+both of its slots after this rank's own; its bytes arrive and leave through a small
+ring of host chunks (:mod:`replication.replica_tier`). Otherwise it is host memory.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replication.device_tier import DeviceTier
+from replication.replica_tier import StagingRing, wants_device
 from replication.slots import allocate_host
 from replication.snapshot_meta import SnapshotMeta
 
@@ -32,23 +33,37 @@ class ReplicaSlot:
     step: int = -1
     meta: SnapshotMeta | None = None
     shared: frozenset[str] = field(default_factory=frozenset)
+    on_device: bool = False  # ``buffer`` is device memory of the device tier
 
     @property
     def complete(self) -> bool:
         return self.meta is not None and self.step >= 0
 
+    def host_copy(self) -> torch.Tensor:
+        """A fresh host tensor with the slot's bytes, wherever the slot lives."""
+        assert self.buffer is not None
+        return torch.empty(self.buffer.numel(), dtype=torch.uint8).copy_(self.buffer)
+
 
 class ReplicaStore:
     """All replicas held by this rank, two slots per source rank."""
 
-    def __init__(self, *, pin_memory: bool = False) -> None:
+    def __init__(self, *, pin_memory: bool = False, tier: DeviceTier | None = None,
+                 chunk_bytes: int = 8 << 20) -> None:
         self.pin_memory = pin_memory
+        self.tier = tier
+        self.chunk_bytes = chunk_bytes
         self._slots: dict[int, list[ReplicaSlot]] = {}
         self._protected_step = -1
         self._lock = threading.Lock()
+        self._ring: StagingRing | None = None
 
-    def writable(self, src: int, nbytes: int) -> ReplicaSlot:
-        """A slot for ``src`` that does not hold the committed step, sized to ``nbytes``."""
+    def writable(self, src: int, nbytes: int, received: int | None = None) -> ReplicaSlot:
+        """A slot for ``src`` that does not hold the committed step, sized to ``nbytes``.
+
+        ``received``: how many of those bytes will arrive (the rest are shared with this
+        rank's own snapshot); with it, the slot goes to the device tier when that is
+        worth it and fits (:mod:`replication.replica_tier`). ``None``: host memory."""
         with self._lock:
             slots = self._slots.setdefault(src, [ReplicaSlot(src), ReplicaSlot(src)])
             # Keep ONE copy of the committed step. Both slots can hold it: a recovery
@@ -58,10 +73,39 @@ class ReplicaStore:
                         None)
             slot = next(s for s in sorted(slots, key=lambda s: s.step) if s is not kept)
         slot.step, slot.meta, slot.shared = -1, None, frozenset()
-        if slot.buffer is None or slot.buffer.numel() != nbytes:
-            slot.buffer = None
-            slot.buffer = allocate_host(nbytes, pin=self.pin_memory, zeroed=False)
+        device = self._wants_device(slot, nbytes, received)
+        if slot.buffer is None or slot.buffer.numel() != nbytes or slot.on_device != device:
+            self._free(slot)
+            if device:
+                assert self.tier is not None
+                slot.buffer, slot.on_device = self.tier.allocate(nbytes), True
+            else:
+                slot.buffer = allocate_host(nbytes, pin=self.pin_memory, zeroed=False)
         return slot
+
+    def _wants_device(self, slot: ReplicaSlot, nbytes: int, received: int | None) -> bool:
+        """Whether ``slot`` (to be sized ``nbytes``) lives on the device tier; reserves
+        the bytes of a new device buffer in the tier's budget."""
+        tier = self.tier
+        if tier is None or not tier.active or received is None \
+                or not wants_device(nbytes, received):
+            return False
+        if slot.on_device and slot.buffer is not None and slot.buffer.numel() == nbytes:
+            return True  # already there, already counted
+        held = slot.buffer.numel() if slot.on_device and slot.buffer is not None else 0
+        return tier.reserve_replica(nbytes, replacing=held)  # _free then releases ``held``
+
+    def _free(self, slot: ReplicaSlot) -> None:
+        if slot.on_device and slot.buffer is not None and self.tier is not None:
+            self.tier.release_replica(slot.buffer.numel())
+        slot.buffer, slot.on_device = None, False
+
+    def ring(self) -> StagingRing:
+        """The host chunks and side stream that device replicas' bytes pass through."""
+        if self._ring is None:
+            assert self.tier is not None and self.tier.device is not None
+            self._ring = StagingRing(self.tier.device, self.chunk_bytes, pin=self.pin_memory)
+        return self._ring
 
     def protect(self, step: int) -> None:
         with self._lock:
@@ -96,9 +140,19 @@ class ReplicaStore:
         return sorted(self._slots)
 
     def nbytes(self) -> int:
+        """Host bytes held (what the host memory budget counts)."""
         return sum(
             s.buffer.numel()
             for slots in self._slots.values()
             for s in slots
-            if s.buffer is not None
+            if s.buffer is not None and not s.on_device
+        )
+
+    def device_nbytes(self) -> int:
+        """Device bytes held by replicas on the device tier."""
+        return sum(
+            s.buffer.numel()
+            for slots in self._slots.values()
+            for s in slots
+            if s.buffer is not None and s.on_device
         )

@@ -47,7 +47,7 @@ from replication.device_tier import HOST_SETTINGS, DeviceTier, check_setting
 from replication.digest_copy import verify_as_they_land, verify_segments
 from replication.drift import DriftWatch
 from replication.errors import CheckpointlessError
-from replication.handover import HandoverResult, SegmentSource, hand_over
+from replication.handover import HandoverResult, Served, hand_over
 from replication.layout import SegmentLayout, SnapshotLayout, flatten
 from replication.memory import (
     MemoryPlan,
@@ -56,6 +56,7 @@ from replication.memory import (
     lazy_optimizer_bytes,
 )
 from replication.placement import place_replicas, sources_of
+from replication.replica_tier import receive_staged
 from replication.replicas import ReplicaStore
 from replication.slots import SnapshotSlot
 from replication.snapshot import SnapshotEngine
@@ -193,7 +194,8 @@ class Replicator:
             device_tier=self._device_tier(tier_device),
         )
         self.engine._on_allocate = self._check_layout_budget
-        self.replicas = replicas or ReplicaStore(pin_memory=pin)
+        self.replicas = replicas or ReplicaStore(pin_memory=pin, tier=self.engine.tier,
+                                                 chunk_bytes=self.config.chunk_bytes)
         self.twins = frozenset(twins)
         self._fault_hook = fault_hook
         self._durable_staging = durable_staging and not durable_zero_copy
@@ -467,27 +469,29 @@ class Replicator:
         meta_buf = torch.empty(meta_len, dtype=torch.uint8)
         self.channel.wait(self.channel.post_recv(meta_buf, src, _META_TAG, meta_len), "metadata")
         meta = SnapshotMeta.from_bytes(meta_buf.numpy().tobytes())
-        rslot = self.replicas.writable(src, meta.layout.nbytes)
+        shared = {seg.name for i, seg in enumerate(meta.layout.segments)
+                  if seg.nbytes and self.config.dedupe and meta.fingerprint(i) in my_fps}
+        received = sum(seg.nbytes for seg in meta.layout.segments if seg.name not in shared)
+        rslot = self.replicas.writable(src, meta.layout.nbytes, received)
         assert rslot.buffer is not None
-        pending: list[tuple[str, list]] = []
-        shared: set[str] = set()
-        received = 0
-        for i, seg in enumerate(meta.layout.segments):
-            if seg.nbytes == 0:
-                pending.append((seg.name, []))  # only its skeleton and layout to verify
-                continue
-            if self.config.dedupe and meta.fingerprint(i) in my_fps:
-                shared.add(seg.name)
-                continue
-            buf = rslot.buffer[seg.offset : seg.offset + seg.nbytes]
-            chunks = self.channel.post_recv_chunks(
-                buf, src, _segment_tag(i), self.config.chunk_bytes
-            )
-            pending.append((seg.name, chunks))
-            received += seg.nbytes
-        # Each chunk is hashed as soon as it lands, overlapping hashing with the transfer.
+        chunk = self.config.chunk_bytes
+        # Per segment received (a tensor-less one has only its skeleton and layout to
+        # verify), its chunks as (tag, view of the slot), in the sender's order.
+        segments = [(seg.name, [(_segment_tag(i) + j,
+                                 rslot.buffer[a : min(a + chunk, seg.offset + seg.nbytes)])
+                                for j, a in enumerate(range(seg.offset, seg.offset + seg.nbytes,
+                                                            chunk))])
+                    for i, seg in enumerate(meta.layout.segments) if seg.name not in shared]
         what = f"replica of rank {src}"
-        verify_as_they_land(pending, meta, lambda w: self.channel.wait([w], what), what)
+        if rslot.on_device:  # through host chunks, hashed as they land
+            receive_staged(self.channel, src, segments, meta, self.replicas.ring(), what)
+        else:
+            pending = [(name, self.channel.post_recv_pieces([v for _, v in pieces], src,
+                                                            pieces[0][0]) if pieces else [])
+                       for name, pieces in segments]
+            # Each chunk is hashed as soon as it lands, overlapping hashing with the
+            # transfer.
+            verify_as_they_land(pending, meta, lambda w: self.channel.wait([w], what), what)
         rslot.meta, rslot.shared, rslot.step = meta, frozenset(shared), meta.step
         return received
 
@@ -537,14 +541,14 @@ class Replicator:
         self.engine.unhold(slot, wait)
 
     # -- reading replicas ------------------------------------------------------------
-    def replica_source(self, src: int, step: int) -> tuple[SnapshotMeta, SegmentSource]:
+    def replica_source(self, src: int, step: int) -> Served:
         """The metadata of the replica of ``src`` at ``step`` held here, and where each of
         its segments lies (its slot, or this rank's own snapshot for shared segments),
         for sending without a copy. Not verified here: the receiver checks every
         segment as it lands. The slots stay put while the recovery runs (no round)."""
         if src in self.twins:  # its state is this rank's own
             mine = self.engine.slot_for(step)
-            return mine.meta(), lambda seg: mine.segment_bytes(seg.name)
+            return Served(mine.meta(), lambda seg: mine.segment_bytes(seg.name))
         rslot = self.replicas.get(src, step)
         assert rslot.meta is not None and rslot.buffer is not None
         own = self.engine.slot_for(step) if rslot.shared else None
@@ -556,7 +560,7 @@ class Replicator:
                 return own.segment_bytes(seg.name)
             return buffer[seg.offset : seg.offset + seg.nbytes]
 
-        return rslot.meta, source
+        return Served(rslot.meta, source, self.replicas.ring() if rslot.on_device else None)
 
     def replica_buffer(self, src: int, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
         """The full snapshot bytes of ``src`` at ``step`` as held here, verified.
@@ -566,7 +570,7 @@ class Replicator:
         """
         rslot = self.replicas.get(src, step)
         assert rslot.meta is not None and rslot.buffer is not None
-        out = rslot.buffer.clone()
+        out = rslot.host_copy()
         if rslot.shared:
             own = self.engine.slot_for(step)
             for name in rslot.shared:

@@ -327,6 +327,11 @@ def _worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     result["tier_active"] = engine.tier.active
     result["device_bytes"] = engine.device_bytes
     result["on_device"] = [s.on_device for s in engine.slots]
+    replicas = made[0].replicas
+    result["replicas_on_device"] = [replicas.get(src, step).on_device
+                                    for src, steps in replicas.held_steps().items()
+                                    for step in steps]
+    result["replica_device_bytes"] = replicas.device_nbytes()
     return result
 
 

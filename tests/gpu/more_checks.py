@@ -127,6 +127,30 @@ def check_replacement_restore_dropout(device: str = "cuda:0") -> dict[str, Any]:
             "replacement_started": got["starts"][0]}
 
 
+# -- replicas held for a peer in GPU memory ------------------------------------------------
+
+def check_replicas_on_device(device: str = "cuda:0") -> dict[str, Any]:
+    """Two processes on the card over gloo, each holding the other's replica in GPU
+    memory (received through host chunks on a real side stream): a replacement is
+    served from it and restores bit-exactly, and a reseed lands on the GPU
+    (``tests/test_replica_tier.py``'s worker, its tier on ``device``)."""
+    sys.path.insert(0, str(REPO))
+    from tests.test_replica_tier import _run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        run = _run("tests.test_replica_tier", Path(tmp), steps=3, device=device)
+        seconds = time.perf_counter() - t0
+    res = run.results
+    for r in range(2):
+        assert res.get(r) and res[r].get("ok"), f"rank {r}: {res.get(r)}\n{run.describe()}"
+        assert res[r]["reseeded_on_device"] is True
+        assert res[r]["reseeded_sha"] == res[1 - r]["own_sha"]
+    assert res[0]["served_from_device"] is True
+    assert res[1]["restored"] == res[1]["before_loss"]
+    return {"run_s": round(seconds, 2), "moved_bytes": res[1]["moved"]}
+
+
 # -- 8: a one-rank NCCL generation cycle ------------------------------------------------
 
 def check_nccl_generation_cycle() -> dict[str, Any]:

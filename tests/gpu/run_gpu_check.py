@@ -204,6 +204,7 @@ CHECKS: list[tuple[str, Check, float]] = [
     ("snapshot_bytes", check_snapshot_bytes, 90),
     ("snapshot_stall", check_snapshot_stall, 90),
     ("rollback_bit_exact", check_rollback, 60),
+    ("replicas_on_device", more_checks.check_replicas_on_device, 90),
     ("replacement_restore_dropout", more_checks.check_replacement_restore_dropout, 150),
     ("nccl_generation_cycle", more_checks.check_nccl_generation_cycle, 60),
     ("launcher_kill_two_workers", check_launcher_kill, 200),
