@@ -34,6 +34,18 @@ class RecoveryConfig:
             "min": 1.0,
         },
     )
+    live_rollback: bool = field(
+        default=True,
+        metadata={
+            "help": "a data-parallel job whose model and optimizer were left untouched by "
+                    "the failure goes on from the step it was in, replaying nothing: each "
+                    "rank sends its small per-step state (RNG, data position, scheduler) "
+                    "to its replica holders every step, and a replacement takes the model "
+                    "and optimizer from a survivor (ADR 0039). Otherwise, and for jobs "
+                    "that are not purely data-parallel, recoveries go back to the last "
+                    "committed snapshot and replay",
+        },
+    )
     collective_timeout_s: float = field(
         default=60.0,
         metadata={

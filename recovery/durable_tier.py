@@ -58,6 +58,7 @@ class DurableTier:
             state.mark_optional("_save_schedule")  # checkpoints of jobs without it load
         self.ticket: Any = None  # the last save handed to the writer
         self.persisted_step = -1
+        self._never: set[int] = set()  # steps whose snapshot is not a save (see exclude)
         self.bytes_read = 0  # by the last restore
         # Seconds the last restore from storage took in this process (agree, read, load,
         # snapshot): the part of a restart from durable storage the run can measure.
@@ -90,13 +91,28 @@ class DurableTier:
     def persist_committed(self, replicator: Replicator, final: bool = False) -> None:
         """Hand the newest committed snapshot to the writer (never waits on I/O).
 
-        ``maybe_snapshot`` has just waited for the previous round, so its step is
-        committed and its slot protected until the capture after next. ``final``: the
-        job's last committed step, persisted whether or not the schedule has it due.
+        Called at every step's end: the round in flight, once it has ended well, or the
+        one ``maybe_snapshot`` last waited for (:meth:`Replicator.settled_round`); its
+        step is committed and its slot protected until the capture after next.
+        ``final``: the job's last committed step, persisted whether or not the schedule
+        has it due.
         """
-        last = replicator.last_round
+        last = replicator.settled_round()
         if last is not None:
             self._persist(replicator, last.step, final)
+
+    def save_pending(self, step: int) -> bool:
+        """Whether a save due at ``step`` was not handed to the writer yet: a live
+        rollback past ``step`` would skip it, so it is not taken then (ADR 0039)."""
+        if self.writer is None or step <= max(self.persisted_step, 0):
+            return False
+        return bool(self.writer.should_persist(step, steps_due=self._due_by_steps(step)))
+
+    def exclude(self, step: int) -> None:
+        """``step``'s snapshot is not one the schedule knows (the copy a live rollback
+        takes of the step it went on from, ADR 0039): never a save, so a run with
+        failures writes the checkpoints of one without."""
+        self._never.add(step)
 
     def after_recovery(self, replicator: Replicator, step: int) -> None:
         """The job was restored to its committed ``step``. A save due there that this
@@ -115,7 +131,7 @@ class DurableTier:
             return
         # Step 0 is the script's own initial state (or a checkpoint just restored): not
         # worth the helper's start-up time, which would make the first real save skip.
-        if step <= max(self.persisted_step, 0):
+        if step <= max(self.persisted_step, 0) or step in self._never:
             return
         due = self._due_by_steps(step)
         if not (final or self.writer.should_persist(step, steps_due=due)):

@@ -284,3 +284,16 @@ def track(loader: Any) -> Any:
     loader._checkpointless_position = position
     loader.__class__ = _tracked_class(cls)
     return position
+
+
+def mark_committed(state: Any) -> None:
+    """Let cached loaders evict batches older than the snapshot just taken.
+
+    The snapshot commits a moment later, in the background; loaders keep a lookback
+    window (``dataloader_cache.lookback`` batches) behind the mark, which covers the
+    rollback to the previous commit if this one never completes.
+    """
+    for _, obj in state:
+        mark = getattr(obj, "mark_committed", None)
+        if callable(mark):
+            mark()

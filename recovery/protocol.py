@@ -372,6 +372,10 @@ class JoinRecord:
     local_steps: list[int] = field(default_factory=list)  # own sealed snapshots held
     replicas: dict[str, list[int]] = field(default_factory=dict)  # src rank -> steps held
     committed: int = -1  # the newest step this rank learned is committed (ADR 0022)
+    # Live rollback (ADR 0039): the step whose end this survivor's live state still is
+    # (-1: none), and the step of the newest mark it holds of each source rank.
+    live_step: int = -1
+    marks: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -384,6 +388,8 @@ class JoinRecord:
             newcomer=bool(d["newcomer"]), local_steps=[int(s) for s in d["local_steps"]],
             replicas={str(k): [int(s) for s in v] for k, v in d["replicas"].items()},
             committed=int(d.get("committed", -1)),
+            live_step=int(d.get("live_step", -1)),
+            marks={str(k): int(v) for k, v in d.get("marks", {}).items()},
         )
 
 

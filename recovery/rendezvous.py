@@ -69,6 +69,7 @@ Failures around the planner (``docs/adr/0024-planner-rendezvous.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
@@ -79,7 +80,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from recovery import auth, protocol
+from recovery import auth, live_plan, protocol
 from recovery.errors import Fenced, RecoveryImpossible
 from recovery.protocol import JoinRecord, join_count_key, join_key, plan_key, plan_takeover_key
 from replication.errors import CheckpointlessError
@@ -97,6 +98,10 @@ class RecoveryPlan:
     target_step: int
     providers: dict[int, int]  # rank that needs its state -> rank that sends it
     planner: int = -1  # the rank that published it (-1: not from a rendezvous)
+    # A live rollback (recovery.live_plan, ADR 0039): every rank goes on from the live
+    # step ``target_step``; ``base_step`` is the committed step whose copies stay.
+    live: bool = False
+    base_step: int = -1
 
     @property
     def newcomers(self) -> list[int]:
@@ -212,7 +217,8 @@ def _parse_plan(payload: str, gen: int) -> tuple[RecoveryPlan, str | None] | Non
                 f"generation {gen} superseded by {int(d[protocol.SUPERSEDED])}")
         plan = RecoveryPlan(int(d["gen"]), int(d["target_step"]),
                             {int(k): int(v) for k, v in d["providers"].items()},
-                            int(d["planner"]))
+                            int(d["planner"]), bool(d.get("live", False)),
+                            int(d.get("base_step", -1)))
         impossible = None if d.get("impossible") is None else str(d["impossible"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None  # sealed with our key yet unreadable: a bug elsewhere; nobody acts on it
@@ -225,6 +231,7 @@ def _plan_payload(plan: RecoveryPlan, impossible: str | None, committed: int | N
         "gen": plan.gen, "target_step": plan.target_step,
         "providers": {str(k): v for k, v in sorted(plan.providers.items())},
         "impossible": impossible, "planner": plan.planner, "committed_step": committed,
+        "live": plan.live, "base_step": plan.base_step,
         "world_size": world_size, "ts": time.time(),
     })
 
@@ -334,8 +341,7 @@ class _Rendezvous:
         try:
             committed = committed_step()
             plan = choose_plan(self.gen, committed, self.seen)
-            plan, impossible = RecoveryPlan(self.gen, plan.target_step, plan.providers,
-                                            self.rank), None
+            plan, impossible = dataclasses.replace(plan, gen=self.gen, planner=self.rank), None
         except RecoveryImpossible as exc:  # every rank gets the same verdict, from here
             plan, impossible = RecoveryPlan(self.gen, -1, {}, self.rank), str(exc)
         payload = _plan_payload(plan, impossible, committed, self.world_size)
@@ -487,9 +493,11 @@ def choose_plan(gen: int, recorded: int, records: dict[int, JoinRecord]) -> Reco
     first_error: RecoveryImpossible | None = None
     for step in candidates:
         try:
-            return make_plan(gen, step, records)
+            plan = make_plan(gen, step, records)
         except RecoveryImpossible as exc:
             first_error = first_error or exc
+            continue
+        return live_plan.upgrade(plan, records) or plan  # no replay where it can
     assert first_error is not None
     raise first_error
 

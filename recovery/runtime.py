@@ -37,6 +37,7 @@ from recovery import (
     drain,
     elastic_controller,
     fencing,
+    live_rollback,
     loader_position,
     process_groups,
     protocol,
@@ -149,6 +150,10 @@ class Checkpointless:
         self._repeats = user_errors.RepeatGuard()
         self._aborted_mark = CollectiveAborted.raised
         self._fence_mark = 0.0  # the engine's fence_wait_s at the last step event
+        # Live rollback (ADR 0039): frameworks that hold outputs until their step commits
+        # and expect a replay (the Lightning strategy) turn it off before start().
+        self.live_rollback = self.settings.recovery.live_rollback
+        self._joined_live: dict[str, Any] = {}  # what the last join record said of it
         self.watchdog.start(self.gen)
         # Registered first so it runs last: exit at once if abandoned gloo groups remain.
         process_groups.install_exit_guard()
@@ -260,6 +265,7 @@ class Checkpointless:
                 self._dp_entries.add(name)
         if self.replicator is not None:
             self.replicator.drift.watch(self._dp_entries)
+            live_rollback.start_marks(self)
         world_resize.publish_resizability(self)  # whether the agents may shrink the job
 
     def wait(self, work: Any) -> None:
@@ -357,9 +363,10 @@ class Checkpointless:
         if capture:
             self.durable.before_capture(step)
         stall = self.replicator.snapshot(step) if capture else None
+        live_rollback.mark(self, step)  # this step's small state, to the holders (ADR 0039)
         self.durable.persist_committed(self.replicator)
         if stall is not None:
-            self._mark_loaders_committed()
+            loader_position.mark_committed(self.state)
         self._report_divergence()
         if self._resumed_from is not None:
             info, self._resumed_from = self._resumed_from, None
@@ -376,18 +383,6 @@ class Checkpointless:
         if self.auto_interval is not None:
             self.auto_interval.after_step(step, stall is not None, self.replicator.last_round,
                                           self.durable)
-
-    def _mark_loaders_committed(self) -> None:
-        """Let cached loaders evict batches older than the snapshot just taken.
-
-        The snapshot commits a moment later, in the background; loaders keep a lookback
-        window (``dataloader_cache.lookback`` batches) behind the mark, which covers the
-        rollback to the previous commit if this one never completes.
-        """
-        for _, obj in self.state:
-            mark = getattr(obj, "mark_committed", None)
-            if callable(mark):
-                mark()
 
     def _report_divergence(self) -> None:
         """Report drift and replay differences found since the last step
@@ -521,7 +516,8 @@ class Checkpointless:
                 self._teardown_generation()
         # Steps this survivor snapshotted after the target are replays from now on.
         self.replicator.rolled_back(plan.target_step)
-        self.durable.after_recovery(self.replicator, plan.target_step)
+        if not plan.live:  # a live rollback's step was committed in the handover
+            self.durable.after_recovery(self.replicator, plan.target_step)
         self._replay_warned = False
         self._dp_checked.clear()
         t_reset = time.perf_counter()
@@ -534,6 +530,8 @@ class Checkpointless:
         first = causes[-1]
         timings = recovery_timeline.phases(causes, t_detect, t_abort, t_rdzv, t_pg, t_done)
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
+                "live": plan.live, "base_step": plan.base_step if plan.live else plan.target_step,
+                **self._joined_live,
                 "fault_at": recovery_timeline.fault_at(causes, t_detect),
                 "newcomers": plan.newcomers, "providers": plan.providers,
                 "bytes_transferred": moved, "newcomer": newcomer, "timings": timings,
@@ -557,7 +555,8 @@ class Checkpointless:
             rank=self.rank, node=self.env.node, pid=os.getpid(), newcomer=newcomer,
             local_steps=local, replicas={str(src): steps for src, steps in held.items()},
             committed=self.replicator.known_committed if self.replicator else -1,
-        )
+            **live_rollback.join_fields(self, newcomer))
+        self._joined_live = {"live_step": record.live_step, "marks_held": record.marks}
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         # A newer generation, as the watchdog saw it: no store request per check (it
         # blocks on the next cause record, or polls, on a connection of its own).
@@ -586,9 +585,11 @@ class Checkpointless:
         """The handover to ``plan``'s target step (:meth:`Replicator.recover`); its parts'
         times go to ``self._transfer_parts``. Returns the bytes moved."""
         assert self.replicator is not None
-        if (resharded := world_resize.reshard(self, plan.target_step)) is not None:
+        resharded = None if plan.live else world_resize.reshard(self, plan.target_step)
+        if resharded is not None:
             return resharded  # FSDP2 state after the world changed size
-        result = self.replicator.recover(plan.target_step, plan.providers)
+        result = (live_rollback.transfer(self, plan) if plan.live  # ADR 0039
+                  else self.replicator.recover(plan.target_step, plan.providers))
         self._transfer_parts, self._bytes_already_held = result.parts, result.skipped
         return result.moved
 

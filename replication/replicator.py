@@ -49,6 +49,7 @@ from replication.drift import DriftWatch
 from replication.errors import CheckpointlessError
 from replication.handover import HandoverResult, Served, hand_over
 from replication.layout import SegmentLayout, SnapshotLayout, flatten
+from replication.marks import MarkBook, MarkExchange
 from replication.memory import (
     MemoryPlan,
     check_budget,
@@ -246,6 +247,10 @@ class Replicator:
                 self.factor, len(set(self.node_of_rank)),
             )
         self.sources = sources_of(self.holders)
+        # Per-step marks for a live rollback (replication.marks): carried over, like the
+        # snapshots; exchanged once the runtime starts an exchange (recovery.live_rollback).
+        self.marks = previous.marks if previous is not None else MarkBook(state)
+        self.mark_exchange: MarkExchange | None = None
         self._inflight: Future | None = None
         self._rounds = _RoundThread()
         self.drift = DriftWatch()  # data-parallel replicas drifting apart (this generation)
@@ -308,6 +313,16 @@ class Replicator:
     def maybe_snapshot(self, step: int) -> float | None:
         """:meth:`snapshot` on every ``replication.every_n_steps``-th step."""
         return self.snapshot(step) if self.snapshot_due(step) else None
+
+    def settled_round(self) -> RoundStats | None:
+        """The newest round known to have committed, without waiting: the one in flight
+        if it has already ended well, else the last one waited for. Lets the durable tier
+        hand a committed snapshot to its writer as soon as its round ends, not at the
+        next snapshot (a live rollback must not skip a save still waiting, ADR 0039)."""
+        fut = self._inflight
+        if fut is not None and fut.done() and fut.exception() is None:
+            return fut.result()
+        return self.last_round
 
     def wait(self) -> RoundStats | None:
         """Block until the in-flight round is committed; re-raise its failure.
@@ -378,6 +393,8 @@ class Replicator:
             if self._recorder is not None:
                 self._recorder.stop()
             self._rounds.stop()
+            if self.mark_exchange is not None:
+                self.mark_exchange.stop()
             self.channel.close()
 
     def abandon(self) -> SideChannel:
@@ -392,6 +409,8 @@ class Replicator:
         if self._recorder is not None:
             self._recorder.stop()  # a rollback follows: no record of this timeline after it
         self._rounds.stop()  # ends once the abandoned round, if any, gives up
+        if self.mark_exchange is not None:
+            self.mark_exchange.stop()
         self.channel.abort()  # its waits give up within a poll interval
         return self.channel
 

@@ -1,8 +1,9 @@
 """Every message tag used on a replication side channel, allocated in one place.
 
-A side channel carries three protocols: the per-step replication round
-(:mod:`replication.replicator`), its commit agreement (:mod:`replication.commit_tree`)
-and the state handover of a recovery (:mod:`replication.handover`). A chunked send of
+A side channel carries four protocols: the per-step replication round
+(:mod:`replication.replicator`), its commit agreement (:mod:`replication.commit_tree`),
+the per-step marks (:mod:`replication.marks`) and the state handover of a recovery
+(:mod:`replication.handover`, :mod:`replication.live_handover`). A chunked send of
 one message uses ``tag + i`` for its ``i``-th chunk
 (:meth:`replication.transport.SideChannel.post_send`), so each message owns a region
 of :data:`REGION` consecutive tags. Regions are numbered here, once, so no two messages
@@ -24,7 +25,10 @@ _HANDOVER_META = _HANDOVER_HEADER + 1
 _HANDOVER_DATA = _HANDOVER_META + 1
 _COMMIT_ACK = _HANDOVER_DATA + 1
 _COMMIT_DONE = _COMMIT_ACK + 1
-_END = _COMMIT_DONE + 1
+_MARK_DATA = _COMMIT_DONE + 1
+_LIVE_MARK_HEADER = _MARK_DATA + 1
+_LIVE_MARK_DATA = _LIVE_MARK_HEADER + 1
+_END = _LIVE_MARK_DATA + 1
 
 #: A replication round: the snapshot metadata a rank sends each holder.
 ROUND_META = _ROUND_META * REGION
@@ -38,6 +42,14 @@ HANDOVER_DATA = _HANDOVER_DATA * REGION
 COMMIT_ACK = _COMMIT_ACK * REGION
 #: The commit agreement: the root's "committed" passed down the tree.
 COMMIT_DONE = _COMMIT_DONE * REGION
+
+#: A step's mark (:mod:`replication.marks`), one message a rank sends each of its
+#: holders every step.
+MARK_DATA = _MARK_DATA * REGION
+#: A live rollback's handover (:mod:`replication.live_handover`): the replacement's own
+#: mark, from its holder (header, then bytes).
+LIVE_MARK_HEADER = _LIVE_MARK_HEADER * REGION
+LIVE_MARK_DATA = _LIVE_MARK_DATA * REGION
 
 # gloo tags are C ints.
 assert _END * REGION < 1 << 31

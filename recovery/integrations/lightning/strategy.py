@@ -188,6 +188,10 @@ class CheckpointlessStrategy(DDPStrategy):
                 settings=self.settings, backend=self._get_process_group_backend(), env=env,
                 state=self.lstate.registry, start=False,
             )
+            # Lightning's logged rows wait for their step's commit, and a rollback drops
+            # the uncommitted ones for the replay to log again: a live rollback, which
+            # replays nothing, would lose them. Recoveries here replay (ADR 0039).
+            self.session.live_rollback = False
             if self.lightning_module is not None:
                 self.session.faults.install(self.lightning_module, None)
             # Lightning's job can change size when its training loaders split by rank

@@ -1,0 +1,115 @@
+"""The runtime's side of a live rollback (ADR 0039): what a survivor reports, and
+what every rank does once the plan chose one.
+
+The marks themselves are :mod:`replication.marks`, the rule the planner applies is
+:mod:`recovery.live_plan`, and the handover is :mod:`replication.live_handover`; this
+module holds the parts that need the runtime's other pieces (its durable tier, its
+state registry), like :mod:`recovery.world_resize` does for a resize.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from replication.handover import HandoverResult
+from replication.live_handover import hand_over_live
+from replication.marks import MarkExchange
+
+if TYPE_CHECKING:
+    from recovery.rendezvous import RecoveryPlan
+    from recovery.runtime import Checkpointless
+
+
+def start_marks(rt: Checkpointless) -> None:
+    """Mark every step from now on, and hold the marks of the ranks whose replicas this
+    one keeps, if the job's state allows (:func:`replication.marks.large_entries`).
+    Called with every declaration of data-parallel entries, in each generation."""
+    rep = rt.replicator
+    if rep is None or not rt.live_rollback:
+        return
+    rep.marks.declare(rt._dp_entries)
+    if rep.mark_exchange is None and rep.factor > 1:
+        rep.mark_exchange = MarkExchange(rep.channel, rep.rank, rep.holders[rep.rank],
+                                         rep.sources[rep.rank], rep.marks)
+
+
+def mark(rt: Checkpointless, step: int) -> None:
+    """The end of ``step``: capture this rank's mark and send it to its holders."""
+    rep = rt.replicator
+    if rep is not None and rep.mark_exchange is not None \
+            and (captured := rep.marks.capture(step)) is not None:
+        rep.mark_exchange.send(captured)
+
+
+def join_fields(rt: Checkpointless, newcomer: bool) -> dict:
+    """What a join record says of live rollback: this rank's live step and the steps of
+    the marks it holds (a newcomer: nothing)."""
+    if newcomer or rt.replicator is None:
+        return {"live_step": -1, "marks": {}}
+    held = rt.replicator.marks.held_steps()
+    return {"live_step": live_step(rt), "marks": {str(k): v for k, v in held.items()}}
+
+
+def live_step(rt: Checkpointless) -> int:
+    """The step this survivor can go on from without a snapshot (its join record's
+    ``live_step``), or -1. Besides the marks' own rule (the large entries untouched
+    since the step's mark, :meth:`replication.marks.MarkBook.live_step`): no durable
+    save due at a step whose snapshot would then never be taken or committed (the
+    committed step's, if not yet handed to the writer, or that of a newer snapshot
+    whose round the failure abandoned, other than the live step's own)."""
+    rep = rt.replicator
+    if rep is None or not rt.live_rollback or rep.twins:
+        return -1
+    step = rep.marks.live_step()
+    if step < 0 or rt.durable.save_pending(rep.known_committed):
+        return -1
+    newest = max((s.step for s in rep.engine.slots), default=-1)
+    if newest > rep.known_committed and newest != step and rt.durable.save_pending(newest):
+        return -1
+    return step
+
+
+def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
+    """The live handover, then the failed step's gradients dropped and the live step
+    committed (:func:`commit_live_step`); its parts' times include ``commit_s``."""
+    rep = rt.replicator
+    assert rep is not None
+    result = hand_over_live(
+        channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
+        rank=rep.rank, live_step=plan.target_step, base_step=plan.base_step,
+        providers=plan.providers, holders=rep.holders, sources=rep.sources[rep.rank],
+        factor=rep.factor, chunk_bytes=rep.config.chunk_bytes, dedupe=rep.config.dedupe)
+    drop_gradients(rt)
+    t0 = time.perf_counter()
+    commit_live_step(rt, plan.target_step)
+    result.parts["commit_s"] = round(time.perf_counter() - t0, 4)
+    return result
+
+
+def drop_gradients(rt: Checkpointless) -> None:
+    """A live rollback keeps the model, but the failed step's partial gradients must
+    go, as a replacement has none."""
+    assert rt.replicator is not None
+    large = rt.replicator.marks.large or ()
+    for name, obj in rt.state:
+        if name in large and isinstance(obj, torch.nn.Module):
+            obj.zero_grad(set_to_none=True)
+
+
+def commit_live_step(rt: Checkpointless, step: int) -> None:
+    """Snapshot the step a live rollback went on from, and commit it, before the
+    generation trains: a replacement holds no snapshot of the committed step, so until
+    this commits its state there would have one copy (its holder's replica), and a
+    second failure taking that holder would lose it. A step the schedule snapshots
+    anyway is an ordinary snapshot; any other is never a durable save, so the run writes
+    the checkpoints of one without failures."""
+    assert rt.replicator is not None
+    if rt.replicator.snapshot_due(step):
+        rt.durable.before_capture(step)
+    else:
+        rt.durable.exclude(step)
+    rt.replicator.snapshot(step)
+    rt.replicator.wait()
