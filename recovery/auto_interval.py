@@ -240,10 +240,12 @@ def startup_line(settings: Any) -> str:
     what it means for a failure (ADR 0032). Under ``auto`` the interval is not known
     yet: the line says how it will be chosen and what the probe's steps run at."""
     rep = settings.replication
+    live = ("; a data-parallel job whose model and optimizer the failure left untouched "
+            "replays none (recovery.live_rollback)" if settings.recovery.live_rollback else "")
     if rep.every_n_steps != "auto":
         n = int(rep.every_n_steps)
         return (f"snapshot interval: every {n} step{'s' if n > 1 else ''} "
-                f"(replication.every_n_steps={n}); {replayed(n)}")
+                f"(replication.every_n_steps={n}); {replayed(n)}{live}")
     probe = IntervalPolicy.probe_every  # the dataclass field's default
     mtbf = settings.recovery.mtbf_s
     job = (f"recovery.mtbf_s={mtbf:g} s" if mtbf else
@@ -253,7 +255,7 @@ def startup_line(settings: Any) -> str:
             "while failures are rare (replication.max_overhead)")
     return (f"snapshot interval: auto: every {probe} steps while the first {AGREE_EVERY} "
             f"measure what a snapshot costs ({replayed(probe)}), then {goal}; "
-            "replication.every_n_steps=N fixes it")
+            f"replication.every_n_steps=N fixes it{live}")
 
 
 def durable_mtbf(settings: Any) -> tuple[float | None, str]:

@@ -17,17 +17,26 @@ import torch
 from replication.handover import HandoverResult
 from replication.live_handover import hand_over_live
 from replication.marks import MarkExchange
+from replication.replicator import Replicator
 
 if TYPE_CHECKING:
     from recovery.rendezvous import RecoveryPlan
     from recovery.runtime import Checkpointless
 
 
+def _replicator(rt: Checkpointless) -> Replicator | None:
+    """The runtime's replicator, if it is one: a process that ran its script again in a
+    new world holds a ``world_resize.Carried`` there (its old snapshots, no marks) until
+    the new world's replicator is built."""
+    rep = rt.replicator
+    return rep if isinstance(rep, Replicator) else None
+
+
 def start_marks(rt: Checkpointless) -> None:
     """Mark every step from now on, and hold the marks of the ranks whose replicas this
     one keeps, if the job's state allows (:func:`replication.marks.large_entries`).
     Called with every declaration of data-parallel entries, in each generation."""
-    rep = rt.replicator
+    rep = _replicator(rt)
     if rep is None or not rt.live_rollback:
         return
     rep.marks.declare(rt._dp_entries)
@@ -38,7 +47,7 @@ def start_marks(rt: Checkpointless) -> None:
 
 def mark(rt: Checkpointless, step: int) -> None:
     """The end of ``step``: capture this rank's mark and send it to its holders."""
-    rep = rt.replicator
+    rep = _replicator(rt)
     if rep is not None and rep.mark_exchange is not None \
             and (captured := rep.marks.capture(step)) is not None:
         rep.mark_exchange.send(captured)
@@ -47,9 +56,10 @@ def mark(rt: Checkpointless, step: int) -> None:
 def join_fields(rt: Checkpointless, newcomer: bool) -> dict:
     """What a join record says of live rollback: this rank's live step and the steps of
     the marks it holds (a newcomer: nothing)."""
-    if newcomer or rt.replicator is None:
+    rep = _replicator(rt)
+    if newcomer or rep is None:
         return {"live_step": -1, "marks": {}}
-    held = rt.replicator.marks.held_steps()
+    held = rep.marks.held_steps()
     return {"live_step": live_step(rt), "marks": {str(k): v for k, v in held.items()}}
 
 
@@ -60,7 +70,7 @@ def live_step(rt: Checkpointless) -> int:
     save due at a step whose snapshot would then never be taken or committed (the
     committed step's, if not yet handed to the writer, or that of a newer snapshot
     whose round the failure abandoned, other than the live step's own)."""
-    rep = rt.replicator
+    rep = _replicator(rt)
     if rep is None or not rt.live_rollback or rep.twins:
         return -1
     step = rep.marks.live_step()
@@ -80,8 +90,7 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     result = hand_over_live(
         channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
         rank=rep.rank, live_step=plan.target_step, base_step=plan.base_step,
-        providers=plan.providers, holders=rep.holders, sources=rep.sources[rep.rank],
-        factor=rep.factor, chunk_bytes=rep.config.chunk_bytes, dedupe=rep.config.dedupe)
+        providers=plan.providers, chunk_bytes=rep.config.chunk_bytes)
     drop_gradients(rt)
     t0 = time.perf_counter()
     commit_live_step(rt, plan.target_step)
@@ -111,5 +120,5 @@ def commit_live_step(rt: Checkpointless, step: int) -> None:
         rt.durable.before_capture(step)
     else:
         rt.durable.exclude(step)
-    rt.replicator.snapshot(step)
+    rt.replicator.snapshot(step, urgent=True)
     rt.replicator.wait()

@@ -61,6 +61,9 @@ class Carried:
     #: A sharded (FSDP2) state is resharded instead (:mod:`recovery.reshard`), from the
     #: old world's snapshots and these replicas of the old ranks.
     old_replicas: Any = None
+    #: Live rollback's marks (replication.marks) are not carried: the new world's ranks,
+    #: holders and data position are other ones, so its marks start afresh.
+    marks: Any = None
     old_rank: int = 0  # this process's rank and world size in the world it left
     old_world: int = 1
     dp_entries: set[str] = field(default_factory=set)  # the state's data-parallel entries

@@ -225,9 +225,8 @@ def receive_state(
 
 def reseed_replicas(
     channel: SideChannel, rank: int, holders: Sequence[Sequence[int]],
-    sources: Sequence[int], step: int, own_meta: SnapshotMeta | None,
-    own_source: SegmentSource | None, replicas: ReplicaStore, chunk_bytes: int, *,
-    dedupe: bool = True,
+    sources: Sequence[int], step: int, own_meta: SnapshotMeta, own_source: SegmentSource,
+    replicas: ReplicaStore, chunk_bytes: int, *, dedupe: bool = True,
 ) -> tuple[int, int]:
     """Give every holder that lacks it a replica of ``step``; returns the bytes this
     rank moved, and those it left out (sent or received) because the receiver held them.
@@ -242,11 +241,9 @@ def reseed_replicas(
     the segments that holder's own snapshot already has, then receives what it lacks
     itself (sends first: no deadlock). Runs inside a recovery, before the generation's
     barrier, with nothing else in flight on ``channel``, so the handover's tags are free.
-    ``own_meta`` ``None``: this rank holds no snapshot of ``step`` (a newcomer of a live
-    rollback, :mod:`replication.live_handover`), so it gives none and only receives.
     """
     world = len(holders)
-    fps = own_meta.fingerprints() if dedupe and own_meta is not None else []
+    fps = own_meta.fingerprints() if dedupe else []
     if len(fps) > MAX_SEGMENTS:
         raise ValueError(f"{len(fps)} state entries; at most {MAX_SEGMENTS} are supported")
     mine = torch.zeros(world + 1 + MAX_SEGMENTS, dtype=torch.int64)
@@ -259,7 +256,7 @@ def reseed_replicas(
     works: list = []
     moved = skipped = 0
     for h in holders[rank]:
-        if own_meta is not None and own_source is not None and h != rank and not held[h][rank]:
+        if h != rank and not held[h][rank]:
             skip = _shared_with(own_meta, has[h])
             works += post_state(channel, h, own_meta, own_source, chunk_bytes, skip)
             moved += own_meta.layout.nbytes - _nbytes(own_meta, skip)

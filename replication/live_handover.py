@@ -10,23 +10,26 @@ survivors. Nothing is replayed and no snapshot is restored:
 2. each newcomer loads both (every segment checked as it lands, the mark before it is
    loaded); each survivor loads its own mark of L, which puts back what step L+1 had
    moved (the RNG, the data position, ...);
-3. the committed step's snapshots and replicas stay where they are: a second failure
-   before the next commit still goes back to it. Replicas of it that a holder lacks are
-   reseeded from their sources' own snapshots (a newcomer has none to give: its state at
-   that step stays with its holder's replica until L is snapshotted, which the runtime
-   does right after this);
+3. the committed step's snapshots and replicas stay where they are, and are not
+   reseeded: the runtime snapshots L and waits for its commit right after this, inside
+   the recovery (:func:`recovery.live_rollback.commit_live_step`), and that round gives
+   every holder its replicas of L. A reseed of the committed step would send a newcomer
+   every source's whole snapshot (it has no snapshot of its own to share segments
+   with): on 200 MB it cost more than the rest of the handover. A second failure before
+   L commits, inside this recovery, finds the committed step's copies as the first
+   failure left them;
 4. a barrier on the side channel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
 from replication import tags
 from replication.digest_copy import compute_digests
-from replication.handover import HandoverResult, _Laps, post_state, receive_state, reseed_replicas
+from replication.handover import HandoverResult, _Laps, post_state, receive_state
 from replication.layout import flatten, tensor_views
 from replication.marks import Mark, MarkBook
 from replication.replicas import ReplicaStore
@@ -50,8 +53,7 @@ def encode(state: TrainingState, step: int) -> tuple[SnapshotMeta, torch.Tensor]
 def hand_over_live(
     *, channel: SideChannel, engine: SnapshotEngine, replicas: ReplicaStore, book: MarkBook,
     rank: int, live_step: int, base_step: int, providers: Mapping[int, int],
-    holders: Sequence[Sequence[int]], sources: Sequence[int], factor: int, chunk_bytes: int,
-    dedupe: bool = True,
+    chunk_bytes: int,
 ) -> HandoverResult:
     """Run steps 1-4 of the module docstring on this rank; returns what moved."""
     out = HandoverResult()
@@ -86,14 +88,6 @@ def hand_over_live(
         laps.lap("send_s")
     engine.protect(base_step)
     replicas.protect(base_step)
-    if factor > 1 and base_step >= 0:
-        own = engine.slot_for(base_step) if base_step in engine.held_steps() else None
-        moved, out.skipped = reseed_replicas(
-            channel, rank, holders, sources, base_step, own.meta() if own else None,
-            (lambda seg: own.segment_bytes(seg.name)) if own else None, replicas,
-            chunk_bytes, dedupe=dedupe)
-        out.moved += moved
-        laps.lap("reseed_s")
     channel.barrier()
     laps.lap("barrier_s")
     out.parts = {k: round(v, 4) for k, v in laps.parts.items()}

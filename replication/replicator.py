@@ -249,7 +249,7 @@ class Replicator:
         self.sources = sources_of(self.holders)
         # Per-step marks for a live rollback (replication.marks): carried over, like the
         # snapshots; exchanged once the runtime starts an exchange (recovery.live_rollback).
-        self.marks = previous.marks if previous is not None else MarkBook(state)
+        self.marks = (previous.marks if previous is not None else None) or MarkBook(state)
         self.mark_exchange: MarkExchange | None = None
         self._inflight: Future | None = None
         self._rounds = _RoundThread()
@@ -296,14 +296,15 @@ class Replicator:
         check_budget(self.plan(layout.nbytes), self.memory, self.local_world_size, self._budget)
 
     # -- training-loop API -----------------------------------------------------------
-    def snapshot(self, step: int) -> float:
-        """Capture ``step`` and start replicating it; returns the seconds the loop stalled."""
+    def snapshot(self, step: int, *, urgent: bool = False) -> float:
+        """Capture ``step`` and start replicating it; returns the seconds the loop stalled.
+        ``urgent``: the caller waits for the commit (a recovery): the copy is not niced."""
         t0 = time.perf_counter()
         self.wait()
         if self._fault_hook is not None:
             self._fault_hook("snapshot", step)
         slot = self.engine.capture(step)
-        self._inflight = self._rounds.submit(self._round, slot)
+        self._inflight = self._rounds.submit(self._round, slot, urgent)
         return time.perf_counter() - t0
 
     def snapshot_due(self, step: int) -> bool:
@@ -415,11 +416,11 @@ class Replicator:
         return self.channel
 
     # -- the background round --------------------------------------------------------
-    def _round(self, slot: SnapshotSlot) -> RoundStats:
+    def _round(self, slot: SnapshotSlot, urgent: bool = False) -> RoundStats:
         t0 = time.perf_counter()
         pending = slot.pending  # read once: a recapture may reset it (see seal)
         overlapped = pending.nbytes if pending is not None else 0
-        meta = self.engine.seal(slot, low_priority=True)  # an overlapped copy, niced
+        meta = self.engine.seal(slot, low_priority=not urgent)  # overlapped copy, niced
         t_sealed = time.perf_counter()
         sent, received, skipped = self._exchange(meta, slot)
         if self._fault_hook is not None:

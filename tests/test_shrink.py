@@ -164,11 +164,14 @@ def test_a_lost_node_without_spare_shrinks_the_job(tmp_path, reference, interval
     assert dev < 1e-4, f"final weights deviate by {dev:.3e} from the failure-free run"
 
 
-@pytest.fixture(scope="module")
-def reference4(tmp_path_factory):
-    """The failure-free run of the growing tests: 4 epochs, long enough for a node to
-    join a shrunk job."""
-    return _reference(tmp_path_factory.mktemp("ref4"), 4)
+def test_the_computed_samples_are_the_failure_free_runs(reference):
+    """The growing tests compare with :func:`_failure_free_samples`, computed from the
+    samplers instead of a 4-epoch reference run: here, the failure-free run's own records,
+    each step's per-rank batches, must be exactly what it computes."""
+    ran, computed = _steps(reference), _failure_free_samples(EPOCHS)
+    assert sorted(ran) == sorted(computed), (sorted(ran), sorted(computed))
+    for step, recs in computed.items():
+        assert sorted(r["index"] for r in ran[step]) == sorted(r["index"] for r in recs), step
 
 
 def _add_a_node_once_shrunk(run_dir: Path, start_spare_node) -> None:
@@ -176,10 +179,11 @@ def _add_a_node_once_shrunk(run_dir: Path, start_spare_node) -> None:
     start_spare_node()
 
 
-def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, reference4):
+def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path):
     """The same loss, then a new node joins: the job grows back to 4 ranks at its next
     generation, the new node's ranks receiving their state from the ranks that took
-    their data (their data-parallel twins), and the original split of the data resumes."""
+    their data (their data-parallel twins), and the original split of the data resumes.
+    Every step's samples are those the failure-free run's samplers give (computed)."""
     epochs = 4
     job, out = _run(tmp_path, "recovery.on_no_spare=shrink", "recovery.spare_wait_s=0.5",
                     "recovery.fault=2:5:backward:node", "replication.every_n_steps=2", *FAST,
@@ -188,7 +192,7 @@ def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, reference4):
     assert_succeeded(job, except_nodes=(1,))
     grown = job.events("world_grown")
     assert [(e["node"], e["ranks"], e["world"]) for e in grown] == [(2, [2, 3], [0, 1, 2, 3])]
-    sizes = _assert_same_samples(_steps(reference4), _steps(out), epochs)
+    sizes = _assert_same_samples(_failure_free_samples(epochs), _steps(out), epochs)
     assert _size_runs(sizes) == [4, 2, 4], f"world sizes step by step: {sizes}"
     said = job.agents[0].stderr
     assert "training at 2 of 4 ranks" in said and "a node loss is not survived" in said
@@ -202,18 +206,18 @@ def test_a_node_added_to_a_shrunk_job_grows_it_back(tmp_path, reference4):
     assert all(f["weights"] == finals[0]["weights"] for f in finals.values())
 
 
-def test_a_node_lost_while_the_job_grows_shrinks_it_again(tmp_path, reference4):
+def test_a_node_lost_while_the_job_grows_shrinks_it_again(tmp_path):
     """The node that joins a shrunk job dies (agent and workers) while its first rank
     receives its state: the grow never completes, the job shrinks again to 2 ranks (the
     survivors, which had run their script at 4 already, run it at 2 again) and
-    finishes, every step's samples the failure-free run's."""
+    finishes, every step's samples the failure-free run's (computed from its samplers)."""
     job, out = _run(tmp_path, "recovery.fault=2:5:backward:node;2:1:recovery:node",
                     "replication.every_n_steps=2", *FAST, epochs=4, sleep=0.25,
                     late_spare_nodes=1, during=_add_a_node_once_shrunk)
     assert_succeeded(job, except_nodes=(1, 2))
     assert [e["lost_node"] for e in job.events("world_shrunk")] == [1, 2]
     assert len(job.events("world_grown")) == 1
-    sizes = _assert_same_samples(_steps(reference4), _steps(out), 4)
+    sizes = _assert_same_samples(_failure_free_samples(4), _steps(out), 4)
     assert _size_runs(sizes) == [4, 2], sizes  # no step completed at 4 in between
     finals = _finals(out)
     assert sorted(finals) == [0, 1] and finals[0]["weights"] == finals[1]["weights"]
