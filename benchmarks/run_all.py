@@ -97,7 +97,20 @@ BENCHES = {
                 "after the side channel's waits moved to waiter threads that an abort "
                 "releases (ADR 0037), two full runs in a row: 0.234 / 0.229 / 0.251 "
                 "(step time after 1.19x) and 0.234 / 0.219 / 0.266 (0.97x; the run "
-                "below): the same recovery as before within the noise.",
+                "below): the same recovery as before within the noise. 2026-11-28, with "
+                "live rollback (ADR 0039, on by default): the data-parallel kills go on "
+                "from step 34 and replay nothing (`steps_replayed` 0, was 2): 0.179 / "
+                "0.159 / 0.259 (the run below; FSDP2 has no live rollback and still "
+                "replays 2 steps), step time after 1.03x. The replay is gone but the "
+                "live handover costs more than the snapshot one: the survivor's "
+                "transfer part went from about 0.29 s to 0.64 s (encode the live model "
+                "and optimizer 0.18 s, send 0.15 s, the newcomer's restore 0.11 s, then "
+                "the live step snapshotted and committed inside the recovery 0.16 s). At "
+                "this kill (2 steps after the probe's snapshot) that nearly cancels out; "
+                "the gain grows with the steps since the last snapshot (after the probe, "
+                "half an interval of tens to hundreds of steps), which this bench does "
+                "not measure. An earlier run the same day, on a host loaded by other "
+                "tests, gave 0.378 / 0.113 / 0.425 (restart times 7.3-13.5 s): noise.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (the writer on its own)",
