@@ -247,5 +247,7 @@ def test_the_durable_saves_are_those_of_a_run_without_failures(tmp_path):
     h.assert_succeeded(ref)
     h.assert_succeeded(job)
     h.assert_same_final(ref, job)
-    assert _targets(job) == {(10, True)}
+    # Live from 10, unless step 8's save was still waiting for its writer when the kill
+    # came (its round ended late on a loaded host): then the snapshot path, by the rule.
+    assert _targets(job) in ({(10, True)}, {(8, False)})
     assert saves(job) == saves(ref) == [8, 16, 20], (saves(ref), saves(job))
