@@ -28,26 +28,13 @@ from collections.abc import Mapping
 import torch
 
 from replication import tags
-from replication.digest_copy import compute_digests
 from replication.handover import HandoverResult, _Laps, post_state, receive_state
-from replication.layout import flatten, tensor_views
+from replication.layout import flatten
 from replication.marks import Mark, MarkBook
 from replication.replicas import ReplicaStore
-from replication.snapshot import SnapshotEngine, restore_from_buffer
+from replication.snapshot import SnapshotEngine, encode_to_buffer, restore_from_buffer
 from replication.snapshot_meta import SnapshotMeta
-from replication.state import TrainingState
 from replication.transport import SideChannel
-
-
-def encode(state: TrainingState, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
-    """``state``'s live entries as snapshot metadata and a fresh host buffer."""
-    flat = flatten(state.capture())
-    buf = torch.zeros(flat.layout.nbytes, dtype=torch.uint8)
-    for dst, src in zip(tensor_views(buf, flat.layout), flat.tensors):
-        dst.copy_(src)
-    meta = SnapshotMeta(step, flat.layout, dict(flat.skeletons),
-                        compute_digests(buf, flat.layout, flat.skeletons))
-    return meta, buf
 
 
 def hand_over_live(
@@ -61,7 +48,7 @@ def hand_over_live(
     sends: list = []
     served = sorted(dst for dst, p in providers.items() if p == rank)
     if served:
-        meta, buf = encode(book.large_state(), live_step)
+        meta, buf = encode_to_buffer(flatten(book.large_state().capture()), live_step)
         laps.lap("encode_s")
         for dst in served:
             data = book.peer(dst, live_step).to_tensor()

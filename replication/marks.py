@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 from replication import tags
-from replication.digest_copy import compute_digests
-from replication.layout import flatten, tensor_views
-from replication.snapshot import restore_from_buffer
+from replication.layout import flatten
+from replication.snapshot import encode_to_buffer, restore_from_buffer
 from replication.snapshot_meta import SnapshotMeta
 from replication.state import TrainingState
 from replication.transport import SideChannel, TransportError
@@ -125,7 +124,7 @@ class _Buffers:
         self.names = list(names)
 
     def _buffers(self, name: str) -> dict[str, torch.Tensor]:
-        module = dict(iter(self.state))[name]
+        module = next(obj for entry, obj in self.state if entry == name)
         persistent = module.state_dict(keep_vars=True)
         return {k: b for k, b in module.named_buffers() if k in persistent}
 
@@ -181,10 +180,6 @@ class MarkBook:
             self._small = small
             self._large_objs = [obj for name, obj in self.state if name in large]
 
-    @property
-    def enabled(self) -> bool:
-        return self._small is not None
-
     def capture(self, step: int) -> Mark | None:
         """Mark the end of ``step``; ``None`` when the job has no marks."""
         if self._small is None:
@@ -193,12 +188,7 @@ class MarkBook:
         if flat.layout.nbytes > MAX_MARK_BYTES:
             self._give_up(flat.layout.nbytes)
             return None
-        buf = torch.zeros(flat.layout.nbytes, dtype=torch.uint8)
-        for dst, src in zip(tensor_views(buf, flat.layout), flat.tensors):
-            dst.copy_(src)
-        meta = SnapshotMeta(step, flat.layout, dict(flat.skeletons),
-                            compute_digests(buf, flat.layout, flat.skeletons))
-        mark = Mark(step, meta, buf)
+        mark = Mark(step, *encode_to_buffer(flat, step))
         self.own = mark
         self._versions = tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
         self._hyper = _hyperparameters(self._large_objs)
@@ -280,7 +270,7 @@ class MarkExchange:
     the size of the next (:func:`_capacity` of this one's); a mark that does not fit
     is not sent, and an empty message (step -1) carries the larger size instead.
 
-    The training thread never waits on gloo: it posts the sends and a daemon thread
+    The training thread never blocks in gloo: it posts the sends and a daemon thread
     waits for them (gloo's point-to-point works end only in ``wait``); the training
     thread waits for that thread at most :data:`SEND_WAIT_S` (see :meth:`send`), and a
     mark whose holders have not yet taken :data:`SENDS_IN_FLIGHT` earlier ones is

@@ -69,6 +69,18 @@ from replication.state import TrainingState
 log = logging.getLogger("checkpointless.replication")
 
 
+def encode_to_buffer(flat: FlatState, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
+    """A flattened state's tensors copied into a fresh host buffer, with its checksummed
+    metadata: a snapshot outside the slots (:func:`restore_from_buffer` reads it back).
+    For the small, short-lived ones (a live rollback's marks and handover); captures
+    into slots are the engine's."""
+    buf = torch.zeros(flat.layout.nbytes, dtype=torch.uint8)
+    for dst, src in zip(tensor_views(buf, flat.layout), flat.tensors):
+        dst.copy_(src)
+    return SnapshotMeta(step, flat.layout, dict(flat.skeletons),
+                        compute_digests(buf, flat.layout, flat.skeletons)), buf
+
+
 def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta,
                         *, verify: bool = True) -> None:
     """Verify ``buffer`` against ``meta`` (unless the caller just did) and load it into
