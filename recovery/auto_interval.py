@@ -188,16 +188,19 @@ class AutoInterval:
         if self.saves is not None and durable is not None:
             self.saves.recovery_s = durable.restore_s
         save_local = self.saves.propose() if self.saves is not None else None
-        proposal = torch.tensor([c.every_n_steps if c is not None else 0
-                                 for c in (rep_local, save_local)])
+        # The third element: whether any rank's snapshot interval is its budget's (set
+        # by a measured cost, so it shortens by halves at most: IntervalPolicy.adopt).
+        proposal = torch.tensor([*(c.every_n_steps if c is not None else 0
+                                   for c in (rep_local, save_local)),
+                                 int(rep_local is not None and rep_local.budget_bound)])
         self.agree(proposal)
-        n_rep, n_save = (int(x) for x in proposal.tolist())
+        n_rep, n_save, budget_bound = (int(x) for x in proposal.tolist())
         # Decide from the intervals in force (the same on every rank, a replacement's
         # and a rolled-back rank's included), not from this rank's own history.
         rep = self.settings.replication
         if self.policy is not None and n_rep > 0:
             self.policy.current = _in_force(self.policy.current, int(rep.every_n_steps))
-            choice = self.policy.adopt(n_rep, rep_local)
+            choice = self.policy.adopt(n_rep, rep_local, budget_bound=bool(budget_bound))
             if choice is not None:
                 rep.every_n_steps = choice.every_n_steps
                 self._say(step, REPLICATION, choice)

@@ -76,6 +76,11 @@ class Choice:
     def text(self) -> str:
         return f"every {self.every_n_steps} steps: " + "; ".join(self.reasons)
 
+    @property
+    def budget_bound(self) -> bool:
+        """Whether the budget (the measured cost) set the interval, not Daly's rule."""
+        return self.every_n_steps == self.n_budget
+
 
 def daly_interval_s(cost_s: float, mtbf_s: float, recovery_s: float = 0.0) -> float:
     """Daly's first-order optimum interval (seconds of work between snapshots).
@@ -193,8 +198,11 @@ class IntervalPolicy:
     it), so the probe's interval must be longer than that. Estimates are the median of
     the last ``window`` samples. A longer interval is always taken (the cost rose: the
     budget demands it); a shorter one only when it is more than ``hysteresis``
-    (relative) shorter, so noise does not make it flap; choices are re-made at the first snapshot
-    ``reeval_steps`` or more after the last one.
+    (relative) shorter, so noise does not make it flap, and, when the budget sets it, to
+    at most half the interval in force (the cost is measured at that interval, and need
+    not scale with it);
+    choices are re-made at the first snapshot ``reeval_steps`` or more after the last
+    one.
     """
 
     budget: float = DEFAULT_BUDGET
@@ -294,11 +302,15 @@ class IntervalPolicy:
                                round_s=rnd, recovery_s=self.recovery_s, mtbf_s=self.mtbf_s,
                                max_interval=self.max_interval, mtbf_note=self.mtbf_note)
 
-    def adopt(self, every_n_steps: int, local: Choice | None = None) -> Choice | None:
+    def adopt(self, every_n_steps: int, local: Choice | None = None, *,
+              budget_bound: bool | None = None) -> Choice | None:
         """Put the agreed interval in force; returns the new choice when it changed.
 
         ``local`` is this rank's proposal, whose reasons are kept (with a note when the
-        agreed interval is another rank's)."""
+        agreed interval is another rank's). ``budget_bound``: agreed with the interval,
+        whether any rank's proposal was its budget's (then a shortening at most halves
+        the interval); every rank must pass the same, so the same interval is in force
+        everywhere. None: ``local``'s own (a single process)."""
         self._last_eval = self._steps
         n = max(1, int(every_n_steps))
         old = self.current
@@ -309,6 +321,18 @@ class IntervalPolicy:
         if local is not None and local.every_n_steps != n:
             reasons = (*reasons, f"another rank measured a higher cost: every {n} steps "
                        "(the largest proposal) was agreed")
+        was = old.every_n_steps if old is not None else self.probe_every
+        if budget_bound is None:
+            budget_bound = local is not None and local.budget_bound
+        if budget_bound and n < (half := -(-was // 2)):
+            # The budget's interval comes from the cost measured at ``was``. A round whose
+            # work fits in the idle time of a long interval may not fit at a much shorter
+            # one (a 200 MB round every 8 steps cost nothing measurable on 2 cores; every
+            # step, 19 % of the step), so each such shortening is measured before the
+            # next. Failures that outrun the snapshots (Daly's rule) shorten at once.
+            reasons = (*reasons, f"at most halved per re-evaluation (the cost was measured "
+                       f"at {was} steps): every {half} steps, shorter once measured there")
+            n = half
         base = self.plain_step_s or 0.0
         cost = max(self.snapshot_cost_s or 0.0, 0.0)  # noise can make it negative
         self.current = Choice(n, cost / (n * base) if base > 0 else 0.0, tuple(reasons),

@@ -84,17 +84,37 @@ def live_step(rt: Checkpointless) -> int:
 
 def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     """The live handover, then the failed step's gradients dropped and the live step
-    committed (:func:`commit_live_step`); its parts' times include ``commit_s``."""
+    committed (:func:`commit_live_step`); its parts' times include ``capture_s`` (a
+    survivor's) and ``commit_s``.
+
+    A survivor loads its own mark and captures its snapshot of the live step first: a
+    provider sends a newcomer its large entries from that slot (no second copy), and the
+    commit replicates the same slot."""
     rep = rt.replicator
-    assert rep is not None
+    assert isinstance(rep, Replicator)
+    step = plan.target_step
+    captured = None
+    t0 = time.perf_counter()
+    _schedule(rt, step)
+    rep.engine.protect(plan.base_step)  # before a capture picks a free slot
+    rep.replicas.protect(plan.base_step)
+    if rep.rank not in plan.providers:
+        own = rep.marks.own
+        assert own is not None and own.step == step
+        rep.marks.restore_small(own)
+        captured = rep.capture(step)
+        rep.engine.seal(captured)
+    capture_s = time.perf_counter() - t0
     result = hand_over_live(
         channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
-        rank=rep.rank, live_step=plan.target_step, base_step=plan.base_step,
-        providers=plan.providers, chunk_bytes=rep.config.chunk_bytes)
+        rank=rep.rank, live_step=step, base_step=plan.base_step,
+        providers=plan.providers, chunk_bytes=rep.config.chunk_bytes, captured=captured)
     drop_gradients(rt)
     t0 = time.perf_counter()
-    commit_live_step(rt, plan.target_step)
-    result.parts["commit_s"] = round(time.perf_counter() - t0, 4)
+    rep.snapshot(step, urgent=True, captured=captured)
+    rep.wait()
+    result.parts = {"capture_s": round(capture_s, 4), **result.parts,
+                    "commit_s": round(time.perf_counter() - t0, 4)}
     return result
 
 
@@ -108,17 +128,16 @@ def drop_gradients(rt: Checkpointless) -> None:
             obj.zero_grad(set_to_none=True)
 
 
-def commit_live_step(rt: Checkpointless, step: int) -> None:
-    """Snapshot the step a live rollback went on from, and commit it, before the
+def _schedule(rt: Checkpointless, step: int) -> None:
+    """Before the live step is captured: a step the schedule snapshots anyway is an
+    ordinary snapshot (and a durable save if one is due); any other is never a durable
+    save, so the run writes the checkpoints of one without failures. The step is
+    snapshotted and committed inside the recovery (:func:`transfer`), before the
     generation trains: a replacement holds no snapshot of the committed step, so until
-    this commits its state there would have one copy (its holder's replica), and a
-    second failure taking that holder would lose it. A step the schedule snapshots
-    anyway is an ordinary snapshot; any other is never a durable save, so the run writes
-    the checkpoints of one without failures."""
+    this commits its state would have one copy (its holder's replica), and a second
+    failure taking that holder would lose it."""
     assert rt.replicator is not None
     if rt.replicator.snapshot_due(step):
         rt.durable.before_capture(step)
     else:
         rt.durable.exclude(step)
-    rt.replicator.snapshot(step, urgent=True)
-    rt.replicator.wait()

@@ -76,15 +76,10 @@ _META_TAG = tags.ROUND_META
 
 
 class _RoundThread:
-    """The one daemon thread that runs a replicator's rounds, one after another.
-
-    Not a ThreadPoolExecutor: its worker threads are joined at interpreter exit, and a
-    round abandoned on a dead peer would then hold the process for its full timeout.
-    Not a new thread per round either: ``Thread.start`` waits until the new thread runs:
-    0.13 ms of loop stall per snapshot on this idle 2-core host, about 1 ms when it is
-    busy (cProfile of ``snapshot()``), where handing a round to the waiting thread costs
-    2 us. Rounds are sequential anyway (a snapshot waits for the previous round first).
-    """
+    """The one daemon thread that runs a replicator's rounds, one after another. Not a
+    ThreadPoolExecutor (joined at exit: a round abandoned on a dead peer would hold the
+    process), nor a thread per round (``Thread.start`` stalled the loop 0.13-1 ms per
+    snapshot on a 2-core host, against 2 us to hand a round over)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -267,8 +262,7 @@ class Replicator:
 
     # -- memory ----------------------------------------------------------------------
     def plan(self, state_bytes: int) -> MemoryPlan:
-        # Every slot keeps a host buffer, the device tier's too (it is staged there at the
-        # seal, for the side channel and the durable tier): no staging beyond the slots.
+        # Every slot keeps a host buffer, the device tier's too: no staging beyond them.
         staging = 0
         durable = state_bytes if self._durable_staging else 0
         replica_sizes = tuple(self.state_bytes_of_rank[src] for src in self.sources[self.rank])
@@ -296,14 +290,22 @@ class Replicator:
         check_budget(self.plan(layout.nbytes), self.memory, self.local_world_size, self._budget)
 
     # -- training-loop API -----------------------------------------------------------
-    def snapshot(self, step: int, *, urgent: bool = False) -> float:
-        """Capture ``step`` and start replicating it; returns the seconds the loop stalled.
-        ``urgent``: the caller waits for the commit (a recovery): the copy is not niced."""
-        t0 = time.perf_counter()
+    def capture(self, step: int) -> SnapshotSlot:
+        """Wait for the round in flight, then copy the live state of ``step`` into a free
+        slot (the training loop's stall)."""
         self.wait()
         if self._fault_hook is not None:
             self._fault_hook("snapshot", step)
-        slot = self.engine.capture(step)
+        return self.engine.capture(step)
+
+    def snapshot(self, step: int, *, urgent: bool = False, captured: SnapshotSlot | None = None
+                 ) -> float:
+        """Capture ``step`` and start replicating it; returns the seconds the loop stalled.
+        ``urgent``: the caller waits for the commit (a recovery): the copy is not niced.
+        ``captured``: the step's slot, captured already (a live rollback sends from it)."""
+        t0 = time.perf_counter()
+        slot = captured if captured is not None else self.capture(step)
+        self.wait()
         self._inflight = self._rounds.submit(self._round, slot, urgent)
         return time.perf_counter() - t0
 
@@ -363,9 +365,8 @@ class Replicator:
         return self.engine.protected_step
 
     def _record_committed(self, step: int) -> None:
-        """Rank 0, every acknowledgement in: record the committed step in the store.
-        In the background (tree commit): the planner reads the step from the join
-        records too, so no rank depends on the record having landed."""
+        """Rank 0, every acknowledgement in: record the committed step in the store, in
+        the background (the planner reads it from the join records too)."""
         assert self._recorder is not None
         self._recorder.record(step)
 
@@ -381,8 +382,7 @@ class Replicator:
             self.ledger.forget(step - 2 * self.config.every_n_steps)
 
     def restore_local(self, step: int) -> None:
-        """Roll this rank back to its own snapshot of ``step``."""
-        self.engine.restore(step)
+        self.engine.restore(step)  # this rank's own snapshot of ``step``
 
     def close(self) -> None:
         try:

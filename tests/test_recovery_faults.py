@@ -105,8 +105,12 @@ def test_sigkill_with_every_optimizer_tensor_copied_overlapped(tmp_path, referen
     assert_same_final(reference, job)
     assert_recovered(job)
     _assert_replaced(job, 1, how="spare")
+    # A live rollback's step is captured and sealed inside the recovery, where nothing
+    # runs to overlap its copy with: its round copies nothing.
+    live = {int(e["target_step"]) for e in job.events("recovery") if e.get("live")}
     rounds = [e["replicated"] for e in job.events("step") if e.get("replicated")]
-    assert rounds and all(r["overlapped_bytes"] > 0 for r in rounds), rounds[:3]
+    assert rounds and all(r["overlapped_bytes"] > 0 for r in rounds
+                          if r["step"] not in live), rounds[:3]
     assert not [e for e in reference.events("step")
                 if (e.get("replicated") or {}).get("overlapped_bytes")], \
         "the reference run's model is under the default overlap_min_bytes"

@@ -187,7 +187,7 @@ def test_adapter_agrees_both_tiers_and_keeps_saves_on_committed_snapshots(monkey
         if step % 16 == 0:
             durable.submit(step - 1)  # the committed snapshot's step
         ai.after_step(step, True, None, durable)
-    assert agreed[-1] == [0, 20]  # 20 ms a save (two steps of +10 ms) / 1 % of 100 ms
+    assert agreed[-1] == [0, 20, 0]  # 20 ms a save (two steps of +10 ms) / 1 % of 100 ms
     assert settings.persistence.every_n_steps == 20
     ev = log.events[-1]
     assert ev["event"] == "auto_interval" and ev["tier"] == "persistence"
@@ -330,7 +330,8 @@ def test_recipe_accepts_auto_budget_and_mtbf_and_refuses_bad_values(tmp_path) ->
 
 
 def test_the_agreement_tensor_is_one_collective_of_two_proposals() -> None:
-    """Both tiers' proposals travel in one all-reduce (MAX): replication first."""
+    """Both tiers' proposals travel in one all-reduce (MAX): replication first, then
+    whether a snapshot proposal is its budget's (how far the interval may shorten)."""
     from recovery.recipe import CheckpointlessConfig
     from replication.state import TrainingState
 
@@ -341,4 +342,4 @@ def test_the_agreement_tensor_is_one_collective_of_two_proposals() -> None:
                                                   seen.append)
     assert ai is not None
     ai.after_step(auto_interval.AGREE_EVERY, True, None, None)
-    assert len(seen) == 1 and seen[0].tolist() == [0, 0] and seen[0].dtype == torch.int64
+    assert len(seen) == 1 and seen[0].tolist() == [0, 0, 0] and seen[0].dtype == torch.int64
