@@ -51,11 +51,11 @@ BENCHES = {
     },
     "bench_recovery": {
         "title": "In-process recovery vs torchrun full restart",
-        "accept": {"recovery_over_restart": ("<=", 0.15), "steps_lost": ("==", 0),
+        "accept": {"recovery_over_restart": ("<=", 0.10), "steps_lost": ("==", 0),
                    "bit_identical": ("==", True),
-                   "recovery_over_restart_ddp": ("<=", 0.15),
-                   "recovery_over_restart_fsdp2": ("<=", 0.15),
-                   "step_time_after_recovery_over_before": ("<=", 1.1)},
+                   "recovery_over_restart_ddp": ("<=", 0.10),
+                   "recovery_over_restart_fsdp2": ("<=", 0.10),
+                   "step_time_after_recovery_over_before": ("<=", 1.05)},
         "note": "Three ways of averaging gradients, each against torchrun + DCP with the "
                 "same model and the same way: `cl.all_reduce_gradients` (the "
                 "top-level figures), the user's `DistributedDataParallel` (`ddp`) and "
@@ -110,7 +110,26 @@ BENCHES = {
                 "the gain grows with the steps since the last snapshot (after the probe, "
                 "half an interval of tens to hundreds of steps), which this bench does "
                 "not measure. An earlier run the same day, on a host loaded by other "
-                "tests, gave 0.378 / 0.113 / 0.425 (restart times 7.3-13.5 s): noise.",
+                "tests, gave 0.378 / 0.113 / 0.425 (restart times 7.3-13.5 s): noise. "
+                "Later on 2026-11-28 the live handover sends from the live step's slot "
+                "(ADR 0039 addendum): a survivor captures L before the handover, the "
+                "provider sends from that slot, the commit replicates it, and the "
+                "newcomer receives into a slot its own capture of L then reuses. Fresh "
+                "200 MB buffers had cost more than the copies (page faults). The "
+                "transfer part went from 0.64 s to 0.41-0.43 s (survivor: capture "
+                "0.06 s, send 0.19 s, wait for the newcomer's restore 0.09 s, commit "
+                "0.06 s; newcomer: receive 0.26 s, restore 0.09 s). Three full runs: "
+                "0.136 / 0.152 / 0.222, 0.140 / 0.124 / 0.266 and 0.145 / 0.135 / 0.279 "
+                "(the run below). The targets are now 0.10 and 1.05x. Not met: of a "
+                "0.9 s recovery, 0.3 s is step K run again (a restart runs it too) and "
+                "0.26 s is 200 MB crossing loopback TCP on 2 cores. Step time after: "
+                "1.19x in the first of those runs. The interval policy had put every "
+                "step in force at step 64, from a snapshot cost that read 0 at every 8 "
+                "steps; the budget's interval now at most halves per agreement (ADR 0032 "
+                "addendum): 0.95x in the run below. (A run between had each rank decide "
+                "the halving from its own proposal: their intervals split, 4 and 3, and "
+                "the next round failed with the ranks on different steps. The rule is "
+                "now agreed with the interval.)",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (the writer on its own)",
@@ -122,7 +141,7 @@ BENCHES = {
     },
     "bench_lightning": {
         "title": "Lightning: in-process recovery vs torchrun restart with ckpt_path",
-        "accept": {"lightning_recovery_over_restart": ("<=", 0.2),
+        "accept": {"lightning_recovery_over_restart": ("<=", 0.1),
                    "lightning_detect_s": ("<=", 1.0),
                    "bit_identical": ("==", True)},
         "note": "Rank 1 SIGKILLed in a training step's backward, with DDP's all-reduce "
