@@ -200,9 +200,8 @@ class IntervalPolicy:
     budget demands it); a shorter one only when it is more than ``hysteresis``
     (relative) shorter, so noise does not make it flap, and, when the budget sets it, to
     at most half the interval in force (the cost is measured at that interval, and need
-    not scale with it);
-    choices are re-made at the first snapshot ``reeval_steps`` or more after the last
-    one.
+    not scale with it); choices are re-made at the first snapshot ``reeval_steps`` or
+    more after the last one.
     """
 
     budget: float = DEFAULT_BUDGET

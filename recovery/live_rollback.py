@@ -84,8 +84,8 @@ def live_step(rt: Checkpointless) -> int:
 
 def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     """The live handover, then the failed step's gradients dropped and the live step
-    committed (:func:`commit_live_step`); its parts' times include ``capture_s`` (a
-    survivor's) and ``commit_s``.
+    committed (see :func:`_schedule` for why inside the recovery); its parts' times
+    include ``capture_s`` (a survivor's) and ``commit_s``.
 
     A survivor loads its own mark and captures its snapshot of the live step first: a
     provider sends a newcomer its large entries from that slot (no second copy), and the

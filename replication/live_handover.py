@@ -17,8 +17,8 @@ survivors. Nothing is replayed and no snapshot is restored:
    memory already touched, instead of faulting in a second buffer of the state's size;
 4. the committed step's snapshots and replicas stay where they are, and are not
    reseeded: the runtime commits L right after this, inside the recovery
-   (:func:`recovery.live_rollback.commit_live_step`), and that round gives every holder
-   its replicas of L. A reseed of the committed step would send a newcomer every
+   (:func:`recovery.live_rollback.transfer`), and that round gives every holder its
+   replicas of L. A reseed of the committed step would send a newcomer every
    source's whole snapshot (it has no snapshot of its own to share segments with): on
    200 MB it cost more than the rest of the handover. A second failure before L
    commits, inside this recovery, finds the committed step's copies as the first
