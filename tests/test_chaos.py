@@ -324,6 +324,26 @@ def test_tiny_seeded_schedule_end_to_end(tmp_path):
     assert _run_dirs_alive(tmp_path) == []
 
 
+def _evidence(run_dir: Path, n_events: int = 40, n_lines: int = 60) -> str:
+    """What a failed soak leaves to read in CI, where only the output survives: the
+    last events, one line each, and the end of every agent's log (the runtime dumps
+    every thread's stack there when a recovery phase stands still)."""
+    out = ["--- last events ---"]
+    try:
+        events = _events(run_dir)
+    except OSError as exc:
+        return f"no events: {exc}"
+    t0 = events[0]["ts"] if events else 0.0
+    skip = {"ts", "source", "timings", "transfer_parts", "cause", "reasons"}
+    for e in events[-n_events:]:
+        fields = " ".join(f"{k}={v}" for k, v in e.items() if k not in skip and k != "event")
+        out.append(f"{e['ts'] - t0:8.2f} {e['event']} {fields}"[:240])
+    for log in sorted((run_dir / "logs").glob("agent*.err")):
+        out.append(f"--- {log.name}, last {n_lines} lines ---")
+        out.extend(line[:240] for line in log.read_text(errors="replace").splitlines()[-n_lines:])
+    return "\n".join(out)
+
+
 def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").open()]
 
@@ -351,7 +371,8 @@ def test_ci_soak_survives_every_fault(tmp_path, seed):
     if result["bit_identical"] is not True:  # pytest.fail: an assert's repr cuts it short
         why = {k: result.get(k) for k in ("not_identical_because", "stopped_reason",
                                           "faults_unresolved", "wall_s")}
-        pytest.fail(f"not identical: {why}\n--- stderr tail ---\n{proc.stderr[-3000:]}")
+        pytest.fail(f"not identical: {why}\n--- stderr tail ---\n{proc.stderr[-3000:]}\n"
+                    f"{_evidence(tmp_path / 'runs' / 'chaos')}")
     assert result["faults_not_fired"] == [], result["faults_not_fired"]
     assert result["failures_injected"] >= 15, result
     assert result["incidents"] >= 8 and result["recoveries_in_process"] >= 8, result
