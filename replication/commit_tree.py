@@ -103,15 +103,23 @@ class TreeCommit:
     ``record(step)`` is called on rank 0 only, once every acknowledgement is in: it
     writes the sealed committed step to the job store (the one store operation of a
     step). :attr:`committed` is the newest step this rank knows to be committed.
+
+    ``decided(step)`` is called on every rank as soon as it knows the step committed,
+    before it tells its children (and on rank 0 before the record): so a rank that
+    knows a step committed has ancestors that all acted on it. A survivor's join record
+    then never names an older committed step than a dead child knew (the root's
+    round thread, descheduled between telling rank 1 and keeping the step's slot, once
+    made a recovery go back to step 3 when rank 1 had learnt 6 was committed).
     """
 
     def __init__(self, rank: int, world_size: int, transport: CommitTransport,
-                 record: Callable[[int], None], fanout: int = FANOUT) -> None:
+                 record: Callable[[int], None], fanout: int = FANOUT,
+                 decided: Callable[[int], None] = lambda step: None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a world of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.transport = transport
-        self.record = record
+        self.record, self.decided = record, decided
         self.parent = parent_of(rank, fanout)
         self.children = children_of(rank, world_size, fanout)
         self.committed = -1
@@ -122,11 +130,13 @@ class TreeCommit:
         for child in self.children:
             self._expect(self.transport.recv(child, ACK), step, f"rank {child}'s ack")
         if self.parent is None:
+            self.decided(step)
             self.record(step)
         else:
             self.transport.send(self.parent, ACK, step)
             self._expect(self.transport.recv(self.parent, DONE), step,
                          f"rank {self.parent}'s commit")
+            self.decided(step)
         for child in self.children:
             self.transport.send(child, DONE, step)
         self.committed = step

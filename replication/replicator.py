@@ -127,9 +127,6 @@ class RoundStats:
     overlapped_bytes: int = 0  # copied by the round for an overlapped capture
 
 
-_segment_tag = tags.segment
-
-
 class Replicator:
     """Keeps a rank's training state in memory locally and on ``factor-1`` peer nodes."""
 
@@ -202,18 +199,16 @@ class Replicator:
         )
         self._store = store
         self._committed_key = committed_key or COMMITTED_KEY
-        # The commit agreement (ADR 0022): over the side channel by default, one store
-        # write per step; the first version's store count is kept as an option.
+        # The commit agreement (ADR 0022): a tree over the side channel, or a store count.
         self.tree: TreeCommit | None = None
         self.ledger: CommitLedger | None = None
         self._recorder: CommittedRecorder | None = None
         if self.config.commit == "tree":
-            # Rank 0's store record is written off the step's path (ADR 0022, addendum
-            # 2): a store without quorum no longer stalls training.
+            # Rank 0's store record is written off the step's path (ADR 0022, addendum 2)
             if rank == 0:
                 self._recorder = CommittedRecorder(store, self._committed_key)
             self.tree = TreeCommit(rank, world_size, SideChannelTransport(self.channel),
-                                   self._record_committed)
+                                   self._record_committed, decided=self._keep)
         else:
             self.ledger = CommitLedger(
                 store, world_size, ack_prefix=f"{prefix}/acks",
@@ -370,6 +365,10 @@ class Replicator:
         assert self._recorder is not None
         self._recorder.record(step)
 
+    def _keep(self, step: int) -> None:  # committed: its slot and replicas survive
+        self.engine.protect(step)
+        self.replicas.protect(step)
+
     def _commit(self, step: int) -> None:
         """Block until ``step`` is committed on every copy."""
         if self.tree is not None:
@@ -427,8 +426,7 @@ class Replicator:
             self._fault_hook("replication", meta.step)
         t_moved = time.perf_counter()
         self._commit(meta.step)
-        self.engine.protect(meta.step)
-        self.replicas.protect(meta.step)
+        self._keep(meta.step)  # the tree commit did it already, before telling children
         self.twins = frozenset()  # every copy of a step exists now: real replicas serve
         return RoundStats(
             meta.step, t_sealed - t0, t_moved - t_sealed, time.perf_counter() - t_moved,
@@ -477,7 +475,7 @@ class Replicator:
                     skipped += 1
                     continue
                 seg_bytes = slot.segment_bytes(seg.name)
-                sends += self.channel.post_send(seg_bytes, h, _segment_tag(i), chunk)
+                sends += self.channel.post_send(seg_bytes, h, tags.segment(i), chunk)
                 sent += seg.nbytes
         received = 0
         for src in self.sources[self.rank]:
@@ -497,7 +495,7 @@ class Replicator:
         chunk = self.config.chunk_bytes
         # Per segment received (a tensor-less one has only its skeleton and layout to
         # verify), its chunks as (tag, view of the slot), in the sender's order.
-        segments = [(seg.name, [(_segment_tag(i) + j,
+        segments = [(seg.name, [(tags.segment(i) + j,
                                  rslot.buffer[a : min(a + chunk, seg.offset + seg.nbytes)])
                                 for j, a in enumerate(range(seg.offset, seg.offset + seg.nbytes,
                                                             chunk))])

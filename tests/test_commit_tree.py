@@ -162,3 +162,48 @@ def test_a_child_on_another_step_is_a_disagreement_not_a_commit():
 def test_a_rank_outside_the_world_is_refused():
     with pytest.raises(ValueError, match="outside a world of 4"):
         TreeCommit(4, 4, QueueTransport().endpoint(4), lambda s: None)
+
+
+@pytest.mark.parametrize("world", [2, 7, 21])
+def test_a_rank_acts_on_a_commit_before_its_children_learn_of_it(world):
+    """``decided(step)`` runs on every rank before it sends "committed" to any child,
+    and on the root before the record: a rank that knows a step committed has
+    ancestors that all kept it. Without the order, the root's round thread, descheduled
+    between telling rank 1 and keeping the step's slot, once made a recovery go back to
+    step 3 when rank 1 (then killed) had learnt that step 6 was committed."""
+    net, order = QueueTransport(), []
+
+    class Recording(_Endpoint):
+        def send(self, dst: int, kind: str, step: int) -> None:
+            if kind == DONE:
+                with net.lock:
+                    order.append(("told", self.rank, dst, step))
+            super().send(dst, kind, step)
+
+    def rank_main(rank: int) -> None:
+        def decided(step: int) -> None:
+            with net.lock:
+                order.append(("kept", rank, step))
+
+        def record(step: int) -> None:
+            with net.lock:
+                order.append(("recorded", rank, step))
+
+        tree = TreeCommit(rank, world, Recording(net, rank), record, decided=decided)
+        for s in (6, 9):
+            tree.agree(s)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True)
+               for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for step in (6, 9):
+        kept = {e[1]: i for i, e in enumerate(order) if e[0] == "kept" and e[-1] == step}
+        assert sorted(kept) == list(range(world))
+        for i, e in enumerate(order):
+            if e[0] == "told" and e[-1] == step:
+                assert kept[e[1]] < i, (e, order)  # the sender kept it first
+            if e[0] == "recorded" and e[-1] == step:
+                assert kept[0] < i
