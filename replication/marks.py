@@ -219,10 +219,6 @@ class MarkBook:
         restore_from_buffer(self.subset(s.name for s in mark.meta.layout.segments),
                             mark.buffer, mark.meta)
 
-    def large_state(self) -> TrainingState:
-        """The large entries alone, for encoding the live state a replacement gets."""
-        return self.subset(self.large or ())
-
     def subset(self, names: Iterable[str]) -> TrainingState:
         """The registered entries named ``names`` (and the marks' buffers entry), as a
         state of their own."""

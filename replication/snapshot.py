@@ -72,8 +72,8 @@ log = logging.getLogger("checkpointless.replication")
 def encode_to_buffer(flat: FlatState, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
     """A flattened state's tensors copied into a fresh host buffer, with its checksummed
     metadata: a snapshot outside the slots (:func:`restore_from_buffer` reads it back).
-    For the small, short-lived ones (a live rollback's marks and handover); captures
-    into slots are the engine's."""
+    For the small, short-lived ones (a live rollback's marks); captures into slots are
+    the engine's."""
     buf = torch.zeros(flat.layout.nbytes, dtype=torch.uint8)
     for dst, src in zip(tensor_views(buf, flat.layout), flat.tensors):
         dst.copy_(src)
