@@ -108,7 +108,8 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     result = hand_over_live(
         channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
         rank=rep.rank, live_step=step, base_step=plan.base_step,
-        providers=plan.providers, chunk_bytes=rep.config.chunk_bytes, captured=captured)
+        providers=plan.providers, chunk_bytes=rep.config.chunk_bytes, captured=captured,
+        same_host=rep.config.same_host_handover)
     drop_gradients(rt)
     t0 = time.perf_counter()
     rep.snapshot(step, urgent=True, captured=captured)

@@ -114,6 +114,14 @@ class ReplicationConfig:
             "min": 0,
         },
     )
+    same_host_handover: bool = field(
+        default=True,
+        metadata={
+            "help": "keep snapshot slots in shared memory, so a replacement on the same "
+            "host as the rank that gives it the live state reads it there instead of "
+            "over the network (ADR 0040); false sends every byte",
+        },
+    )
     dedupe: bool = field(
         default=True,
         metadata={"help": "skip sending state segments the holder already has (pure DP)"},

@@ -181,7 +181,8 @@ class Replicator:
         )
         self.engine = engine or SnapshotEngine(
             state, pin_memory=pin, on_allocate=self._check_layout_budget,
-            checksum=self.config.checksum, shared_memory=durable_zero_copy,
+            checksum=self.config.checksum,
+            shared_memory=durable_zero_copy or self.config.same_host_handover,
             num_slots=3 if durable_zero_copy else 2, streaming=self.config.streaming_copy,
             overlap=self.config.overlap_copy, overlap_min_bytes=self.config.overlap_min_bytes,
             device_tier=self._device_tier(tier_device),

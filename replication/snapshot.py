@@ -24,11 +24,13 @@ copies device to device, the seal stages those bytes into the host buffer and ha
 them as they land (the digests are the host tier's), and a rollback copies device to
 device, moving no state tensor over PCIe.
 
-When the durable tier persists snapshots (``shared_memory=True``), the slots live in
-shared memory (a memfd), so the durable writer's helper process reads a snapshot straight
-from its slot (:func:`~replication.slots.shared_location`) and the training process
-copies nothing; a slot being read that way is *held* (:meth:`SnapshotEngine.hold`) and
-never overwritten until its reader is done.
+With ``shared_memory=True`` (the default runtime's, ``replication.same_host_handover``,
+and whenever the durable tier persists) the slots live in shared memory (a memfd): the
+durable writer's helper process reads a snapshot straight from its slot
+(:func:`~replication.slots.shared_location`) and the training process copies nothing;
+a slot being read that way is *held* (:meth:`SnapshotEngine.hold`) and never
+overwritten until its reader is done. A replacement on the same host reads a live
+rollback's state from a provider's slot the same way (:mod:`replication.peer_memory`).
 
 This module is the engine that decides what is copied when, and the restore; the parts
 it is built from live beside it: the metadata (:mod:`replication.snapshot_meta`), the
@@ -134,8 +136,9 @@ class SnapshotEngine:
 
         ``shared_memory=True`` allocates the slots in shared memory (falling back to
         ordinary memory, with a warning, where that is impossible), for a durable
-        writer that persists straight from them; ``num_slots=3`` then keeps double
-        buffering going while one slot is held by such a writer.
+        writer that persists straight from them and for a replacement on this host
+        that reads its state from them; ``num_slots=3`` keeps double buffering going
+        while one slot is held by such a writer.
 
         ``checksum="inline"`` hashes host state during the copy (:func:`copy_and_digest`:
         the least total work, since the source is read from DRAM once); ``"background"``
@@ -381,7 +384,8 @@ class SnapshotEngine:
         buf = allocate_shared(layout.nbytes, pin=self.pin_memory) if self.shared_memory else None
         if buf is None and self.shared_memory and layout.nbytes > 0:
             log.warning("cannot allocate a %d MB snapshot buffer in shared memory: using "
-                        "private memory, so the durable writer cannot read snapshots in place",
+                        "private memory (the durable writer copies snapshots, and a "
+                        "replacement on this host receives them over the network)",
                         layout.nbytes >> 20)
         slot.buffer = buf if buf is not None else allocate_host(layout.nbytes, pin=self.pin_memory)
         slot.layout = layout

@@ -28,7 +28,9 @@ _COMMIT_DONE = _COMMIT_ACK + 1
 _MARK_DATA = _COMMIT_DONE + 1
 _LIVE_MARK_HEADER = _MARK_DATA + 1
 _LIVE_MARK_DATA = _LIVE_MARK_HEADER + 1
-_END = _LIVE_MARK_DATA + 1
+_LIVE_OFFER = _LIVE_MARK_DATA + 1
+_LIVE_REPLY = _LIVE_OFFER + 1
+_END = _LIVE_REPLY + 1
 
 #: A replication round: the snapshot metadata a rank sends each holder.
 ROUND_META = _ROUND_META * REGION
@@ -50,6 +52,11 @@ MARK_DATA = _MARK_DATA * REGION
 #: mark, from its holder (header, then bytes).
 LIVE_MARK_HEADER = _LIVE_MARK_HEADER * REGION
 LIVE_MARK_DATA = _LIVE_MARK_DATA * REGION
+#: A live rollback's handover: where the provider's snapshot of the live step lies in
+#: shared memory (:class:`replication.slots.SharedOffer`), and the replacement's answer
+#: (whether it reads it there, or wants it over the channel).
+LIVE_OFFER = _LIVE_OFFER * REGION
+LIVE_REPLY = _LIVE_REPLY * REGION
 
 # gloo tags are C ints.
 assert _END * REGION < 1 << 31

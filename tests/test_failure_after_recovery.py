@@ -129,13 +129,18 @@ def test_a_kill_of_a_rank_whose_replica_holder_was_replaced(tmp_path, reference,
     assert len(gens) >= 2, f"rank 3's death was not recovered from: {targets}"
     first = [e for e in job.events("recovery") if e["gen"] == gens[0]]
     if live and not any(e["live"] for e in first):
-        # The rule's one way out under load: rank 1 died (in step 8) before its mark of
+        # The rule's ways out under load: rank 1 died (in step 8) before its mark of
         # step 7 reached its holder (the step's end waits 50 ms for it), so no survivor
-        # holds it and the plan is the snapshot's. Then this run tests that path.
+        # holds it; or the failure reached a survivor before it finished step 7 (its
+        # live step is 6, or none), so they do not agree on one. Then the plan is the
+        # snapshot's, and this run tests that path.
         steps = {e["live_step"] for e in first if not e["newcomer"]}
-        assert len(steps) == 1 and all(e["marks_held"].get("1") != next(iter(steps))
-                                       for e in first if not e["newcomer"]), first
-        print(f"rank 1's mark of {steps} never reached a holder: the snapshot path ran")
+        if len(steps) == 1:
+            assert all(e["marks_held"].get("1") != next(iter(steps))
+                       for e in first if not e["newcomer"]), first
+            print(f"rank 1's mark of {steps} never reached a holder: the snapshot path ran")
+        else:
+            print(f"the survivors' live steps were {steps}: the snapshot path ran")
         live = False
     if live:
         assert all(e["live"] for e in first), first

@@ -198,9 +198,29 @@ def test_a_kill_mid_interval_goes_on_from_the_step_before_it(tmp_path):
     rollback the job would go back to step 8 and replay 9 and 10."""
     _, job = _pair(tmp_path, h.SCRIPT, ("replication.every_n_steps=8",), "1:11:backward")
     assert _targets(job) == {(10, True)}
+    # the replacement runs on the survivor's host: it read the model and optimizer from
+    # the survivor's snapshot slot in shared memory; only its mark crossed the channel
+    newcomer = _newcomer(job)
+    assert "map_s" in newcomer["transfer_parts"], newcomer["transfer_parts"]
+    assert "receive_s" not in newcomer["transfer_parts"]
     # 8 unless its round was still running when the kill came (then 0, and its
     # snapshot is dropped: no durable save is due at it in this job)
     assert {int(e["base_step"]) for e in h.recovery_events(job)} <= {0, 8}
+
+
+def _newcomer(job: h.JobResult) -> dict:
+    return next(e for e in h.recovery_events(job) if e.get("newcomer"))
+
+
+def test_without_the_same_host_path_the_live_state_crosses_the_channel(tmp_path):
+    """``replication.same_host_handover=false`` (what a replacement on another node
+    gets): every byte of the model and optimizer is sent, and the result is the same."""
+    _, job = _pair(tmp_path, h.SCRIPT, ("replication.every_n_steps=8",
+                                        "replication.same_host_handover=false"),
+                   "1:11:backward")
+    assert _targets(job) == {(10, True)}
+    parts = _newcomer(job)["transfer_parts"]
+    assert "receive_s" in parts and "map_s" not in parts, parts
 
 
 def test_ddp_as_the_tutorial_writes_it_goes_on_from_the_step_before_the_kill(tmp_path):
