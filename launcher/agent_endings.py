@@ -66,6 +66,13 @@ class Endings:
         self._log(f"job done: {self.args.world_size} ranks finished, failures recovered: "
                   f"{failures}{gens}{step_text}{durable}; run dir {self.run_dir}")
         self._linger(LINGER_S)
+        if persisted is None:
+            worker_output.say(
+                f"checkpointless: job done but its durable checkpoints CANNOT BE CHECKED: "
+                f"persistence.path {self.cfg.persistence.path!r} cannot be read now (see "
+                "the line above); the saves each rank made are its 'durable_save' events "
+                "in the run dir; exit status 1")
+            return 1
         if not persisted:
             worker_output.say(
                 f"checkpointless: job done but NOTHING WAS PERSISTED: persistence.path "

@@ -10,7 +10,9 @@ module only finds out). Kept apart from the agent's loop, which never needs any 
 
 from __future__ import annotations
 
+import posixpath
 from datetime import datetime
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,24 +51,51 @@ def committed_step(store: dist.Store) -> int | str | None:
     return None if step < 0 else step
 
 
-def durable_outcome(p: PersistenceConfig, started_at: float) -> tuple[str, bool]:
+def durable_outcome(p: PersistenceConfig, started_at: float) -> tuple[str, bool | None]:
     """For the last line: the newest complete checkpoint at ``persistence.path``
     (read back from storage, not taken from the writers' word), and whether a run
-    that asked for persistence got any. A run that persisted nothing exits 1.
+    that asked for persistence got any: ``None`` when storage cannot be read to tell
+    (a job that ends during a storage outage). A run that persisted nothing, or cannot
+    show that it persisted anything, exits 1.
 
     ``started_at``: this run's start (``time.time()``); only its saves are counted."""
     if not p.path:
         return "", True
-    from replication.durable import DurableError, latest_checkpoint
+    from replication.durable import DurableError, scan
+    from replication.durable.storage import resolve
 
+    opts = dict(p.storage_options)
+    valid: list = []
     try:
-        newest = latest_checkpoint(p.path, dict(p.storage_options))
+        valid = [c for c in scan(p.path, opts) if c.valid]
+        problem = None if _is_dir(p.path, opts, resolve) else f"{p.path} is not a directory"
     except (DurableError, OSError) as exc:
-        return f", durable: cannot list {p.path!r} ({exc})", False
+        problem = str(exc)
+    if problem is not None and not _missing(p.path, opts, resolve):
+        return f", durable: cannot list {p.path!r} ({problem})", None
+    newest = valid[-1] if valid else None
     saves = _durable_saves(p.path, dict(p.storage_options), started_at)
     if newest is None:
         return f", durable: nothing persisted{saves}", False
     return f", durable: newest complete checkpoint step {newest.step}{saves}", True
+
+
+def _is_dir(url: str, options: dict, resolve: Any) -> bool:
+    """Whether ``url`` is a directory (or, on an object store, a prefix); a path that
+    points at a file (a storage outage in the chaos soak: the link re-pointed) is not."""
+    fs, path = resolve(url, options)
+    return not fs.exists(path) or fs.isdir(path)
+
+
+def _missing(url: str, options: dict, resolve: Any) -> bool:
+    """Whether ``url`` plainly does not exist (its parent can be read and lacks it), as
+    opposed to storage that cannot be read now (an outage: a path component that is no
+    directory, a bucket that does not answer)."""
+    try:
+        fs, path = resolve(url, options)
+        return not fs.exists(path) and fs.isdir(posixpath.dirname(path.rstrip("/")))
+    except Exception:  # cannot tell: not "missing"
+        return False
 
 
 def _durable_saves(url: str, options: dict, started_at: float) -> str:

@@ -236,3 +236,25 @@ def test_any_path_is_a_verdict_of_one_line_never_a_crash(prefix, rest):
     assert time.monotonic() - t0 < 8.0
     if problem is not None:
         assert problem.startswith("persistence.path ") and "\n" not in problem, problem
+
+
+def test_the_last_line_tells_storage_it_cannot_read_from_storage_without_checkpoints(tmp_path):
+    """A job that ends during a storage outage cannot show that it persisted anything,
+    but must not claim that nothing was: the path is there, it just cannot be read
+    (the chaos soak's outage re-points it at a file). A path that plainly does not
+    exist, or an empty directory, did get nothing."""
+    import time
+
+    from launcher.job_outcome import durable_outcome
+    from replication.config import PersistenceConfig
+
+    blocked = tmp_path / "unavailable"
+    blocked.write_text("outage\n")
+    (tmp_path / "durable").symlink_to(blocked)
+    (tmp_path / "empty").mkdir()
+    now = time.time()
+    text, persisted = durable_outcome(PersistenceConfig(path=str(tmp_path / "durable")), now)
+    assert persisted is None and "cannot list" in text, text
+    for path in (tmp_path / "never_created", tmp_path / "empty"):
+        text, persisted = durable_outcome(PersistenceConfig(path=str(path)), now)
+        assert persisted is False and "nothing persisted" in text, text
