@@ -306,7 +306,10 @@ def test_memory_plan_counts_a_third_slot_instead_of_a_staging_copy():
     try:
         plan = staged_rep.check_budget()
         assert plan.local_slots == 2 and plan.durable_staging_bytes >= size
-        assert not staged_rep.engine.shared_memory
+        # slots are shared all the same, for a replacement on this host (ADR 0040),
+        # unless that is turned off; the third slot is the zero-copy writer's alone
+        assert staged_rep.engine.shared_memory == staged_rep.config.same_host_handover
+        assert len(staged_rep.engine.slots) == 2
     finally:
         staged_rep.close()
     with pytest.raises(MemoryBudgetError, match="3 x 256"):
