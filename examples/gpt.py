@@ -131,7 +131,8 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(_local(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
+        # reshape: a 0-dim tensor (batch norm's step counter) cannot be viewed as bytes
+        h.update(_local(p).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     osd = optimizer.state_dict()
     for pid in sorted(osd["state"]):
         for k, v in sorted(osd["state"][pid].items()):

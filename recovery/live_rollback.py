@@ -10,7 +10,8 @@ state registry), like :mod:`recovery.world_resize` does for a resize.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,8 @@ from replication.handover import HandoverResult
 from replication.live_handover import hand_over_live
 from replication.marks import MarkExchange
 from replication.replicator import Replicator
+from replication.slots import SnapshotSlot
+from replication.snapshot_meta import SnapshotError
 
 if TYPE_CHECKING:
     from recovery.rendezvous import RecoveryPlan
@@ -32,14 +35,32 @@ def _replicator(rt: Checkpointless) -> Replicator | None:
     return rep if isinstance(rep, Replicator) else None
 
 
+@dataclass(frozen=True)
+class SnapshotMarks:
+    """``Checkpointless.live_rollback`` for a job whose registered state is the parts of
+    a checkpoint rebuilt at each snapshot (the Lightning strategy's, ADR 0039's second
+    addendum): ``large`` names the data-parallel parts (the same on every rank),
+    ``buffers`` is an entry holding the modules' persistent buffers by value. Marks are
+    taken at snapshot steps only, and a live rollback goes on from the survivors' newest
+    snapshot even when its round did not commit (the survivors restore it)."""
+
+    large: tuple[str, ...]
+    buffers: Any
+
+
 def start_marks(rt: Checkpointless) -> None:
-    """Mark every step from now on, and hold the marks of the ranks whose replicas this
-    one keeps, if the job's state allows (:func:`replication.marks.large_entries`).
-    Called with every declaration of data-parallel entries, in each generation."""
+    """Mark every step (or, with :class:`SnapshotMarks`, every snapshot) from now on,
+    and hold the marks of the ranks whose replicas this one keeps, if the job's state
+    allows (:func:`replication.marks.large_entries`). Called with every declaration of
+    data-parallel entries, in each generation."""
     rep = _replicator(rt)
     if rep is None or not rt.live_rollback:
         return
-    rep.marks.declare(rt._dp_entries)
+    parts = rt.live_rollback
+    if isinstance(parts, SnapshotMarks):
+        rep.marks.declare_parts(parts.large, parts.buffers)
+    else:
+        rep.marks.declare(rt._dp_entries)
     if rep.mark_exchange is None and rep.factor > 1:
         rep.mark_exchange = MarkExchange(rep.channel, rep.rank, rep.holders[rep.rank],
                                          rep.sources[rep.rank], rep.marks)
@@ -48,9 +69,17 @@ def start_marks(rt: Checkpointless) -> None:
 def mark(rt: Checkpointless, step: int) -> None:
     """The end of ``step``: capture this rank's mark and send it to its holders."""
     rep = _replicator(rt)
-    if rep is not None and rep.mark_exchange is not None \
-            and (captured := rep.marks.capture(step)) is not None:
+    if rep is None or rep.mark_exchange is None:
+        return
+    if rep.marks.at_snapshots and not _holds(rep, step):
+        return  # marks of checkpoint parts: at snapshot steps only
+    if (captured := rep.marks.capture(step)) is not None:
         rep.mark_exchange.send(captured)
+
+
+def _holds(rep: Replicator, step: int) -> bool:
+    """Whether this rank has a snapshot of ``step`` (sealed or still being copied)."""
+    return any(s.step == step for s in rep.engine.slots)
 
 
 def join_fields(rt: Checkpointless, newcomer: bool) -> dict:
@@ -76,6 +105,8 @@ def live_step(rt: Checkpointless) -> int:
     step = rep.marks.live_step()
     if step < 0 or rt.durable.save_pending(rep.known_committed):
         return -1
+    if rep.marks.at_snapshots and not _holds(rep, step):
+        return -1
     newest = max((s.step for s in rep.engine.slots), default=-1)
     if newest > rep.known_committed and newest != step and rt.durable.save_pending(newest):
         return -1
@@ -95,10 +126,17 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     step = plan.target_step
     captured = None
     t0 = time.perf_counter()
-    _schedule(rt, step)
+    parts = rep.marks.at_snapshots
+    if not parts:  # declared by parts, L is a snapshot the schedule took
+        _schedule(rt, step)
     rep.engine.protect(plan.base_step)  # before a capture picks a free slot
     rep.replicas.protect(plan.base_step)
-    if rep.rank not in plan.providers:
+    if rep.rank not in plan.providers and parts:
+        # The state is checkpoint parts, not live objects: restore L's snapshot,
+        # finished first if the failure stopped its round before its copy was.
+        captured = _sealed(rep, step)
+        rep.restore_local(step)
+    elif rep.rank not in plan.providers:
         own = rep.marks.own
         assert own is not None and own.step == step
         rep.marks.restore_small(own)
@@ -117,6 +155,18 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     result.parts = {"capture_s": round(capture_s, 4), **result.parts,
                     "commit_s": round(time.perf_counter() - t0, 4)}
     return result
+
+
+def _sealed(rep: Replicator, step: int) -> SnapshotSlot:
+    """This survivor's slot of ``step``, sealed here if its round had not (the failure
+    abandoned the round; its thread may still be sealing the same slot)."""
+    slot = next(s for s in rep.engine.slots if s.step == step)
+    try:
+        rep.engine.seal(slot)
+    except SnapshotError:
+        if slot.step != step or slot.digests is None:
+            raise  # not a race with the abandoned round: the slot is not step's
+    return slot
 
 
 def drop_gradients(rt: Checkpointless) -> None:

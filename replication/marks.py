@@ -163,9 +163,32 @@ class MarkBook:
         self.held: dict[int, Mark] = {}
         self._lock = threading.Lock()
         self._too_large_warned = False
+        #: marks of a state whose large entries are checkpoint parts (:meth:`declare_parts`)
+        self.at_snapshots = False
+        self._buffers_entry: Any = None
+
+    def declare_parts(self, large: Sequence[str], buffers: Any) -> None:
+        """Marks of a state whose large entries are not live objects but parts of a
+        checkpoint taken at each snapshot (the Lightning strategy's model and optimizer
+        parts): a mark is taken only right after a snapshot's capture, and the step a
+        survivor can go on from is that snapshot's, whose slot holds the large entries
+        (no version counters: the snapshot is the evidence, and the survivors restore
+        it). ``buffers``: a state entry holding the modules' persistent buffers by value
+        (they differ per rank after a forward pass), loaded after the large entries."""
+        if self.at_snapshots and list(large) == self.large:
+            return
+        self.at_snapshots, self.large, self.own = True, list(large), None
+        small = TrainingState(rng=False)
+        for name, obj in self.state:
+            if name not in self.large:
+                small.register(name, obj)
+        small.register(BUFFERS, buffers)
+        self._small, self._large_objs, self._buffers_entry = small, [], buffers
 
     def declare(self, data_parallel: Iterable[str]) -> None:
         """The data-parallel entries are known (or changed): which entries marks hold."""
+        if self.at_snapshots:  # declared by parts, for good
+            return
         large = large_entries(self.state, data_parallel)
         if large == self.large:
             return
@@ -204,9 +227,12 @@ class MarkBook:
 
     def live_step(self) -> int:
         """The step whose end the live state still is (its large entries untouched
-        since that step's mark), or -1."""
+        since that step's mark), or -1. Declared by parts: the step of the newest mark
+        (the caller checks that its snapshot is still held)."""
         if self._small is None or self.own is None:
             return -1
+        if self.at_snapshots:
+            return self.own.step
         now = tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
         if now != self._versions or _hyperparameters(self._large_objs) != self._hyper:
             return -1
@@ -228,7 +254,8 @@ class MarkBook:
             if name in wanted:
                 out.register(name, obj)
         if BUFFERS in wanted:
-            out.register(BUFFERS, _Buffers(self.state, ()))
+            out.register(BUFFERS, self._buffers_entry if self._buffers_entry is not None
+                         else _Buffers(self.state, ()))
         missing = wanted - set(out.names())
         if missing:
             raise KeyError(f"state entries {sorted(missing)} are not registered here")

@@ -111,3 +111,34 @@ def test_failure_in_the_first_step_after_a_recovery(tmp_path, reference):
     # receiving its state from node 0 then, and joins the next generation as a newcomer.
     first_gen = {e["rank"] for e in gens[min(gens)]}
     assert last == {3} or (last == {2, 3} and 2 not in first_gen), (last, gens)
+
+
+def test_a_kill_before_the_newest_snapshot_commits_goes_on_from_it(tmp_path, reference):
+    """Snapshots every 4 steps; rank 1 is SIGKILLed in step 4's round after it sent its
+    replicas and before the commit. Step 4 never committed, yet the job goes on from
+    it, not from step 0: every survivor holds its own snapshot of step 4, and rank 1's
+    mark of it (its loops, RNG, data position and model buffers: everything but the
+    model and optimizer, which a survivor's snapshot has) reached its holder right
+    after the capture (ADR 0039, second addendum). Bit-identical, nothing replayed."""
+    job = run_job(tmp_path / "run", nnodes=2, nproc=2, spares=1, script=SCRIPT,
+                  script_args=ARGS, timeout_s=300,
+                  overrides=["recovery.fault=1:4:replication", *FAST,
+                             "replication.every_n_steps=4"])
+    assert_succeeded(job)
+    assert_same_final(reference, job)
+    [recs] = _gens(job).values()
+    print([{k: e.get(k) for k in ("rank", "target_step", "live", "live_step", "marks_held",
+                                  "base_step", "newcomer")} for e in recs])
+    survivors = [e for e in recs if not e["newcomer"]]
+    if not any(e["live"] for e in recs):
+        # The rule's way out: the kill came before rank 1's mark of step 4 left (the
+        # round thread raced the step's end), so the snapshot path ran, from step 0.
+        # The survivors still reported step 4 as the one they could go on from.
+        assert all(e["live_step"] == 4 for e in survivors), survivors
+        assert all(e["marks_held"].get("1") != 4 for e in survivors), survivors
+        assert {e["target_step"] for e in recs} == {0}
+        return
+    assert {(e["target_step"], e["live"], e["base_step"]) for e in recs} == {(4, True, 0)}
+    # fit re-entered from the restored state (Lightning says so on rank 0)
+    assert "Restored all states from the checkpoint at checkpointless://memory" in \
+        job.output(200000)

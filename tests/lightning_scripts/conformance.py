@@ -1,6 +1,6 @@
 """A Lightning job that uses what Lightning users observe, for the conformance suite.
 
-A small classifier on generated data under ``Trainer(strategy="checkpointless")``:
+A small classifier (with batch norm) on generated data under ``Trainer(strategy="checkpointless")``:
 validation every 4 batches, ``self.log`` with mean and sum reductions on step and
 epoch, torchmetrics ``Accuracy`` objects logged for training and validation,
 ``EarlyStopping`` and ``ModelCheckpoint(monitor="val_loss")``, a ``CSVLogger``,
@@ -56,8 +56,10 @@ class Classifier(pl.LightningModule):
     def __init__(self, kill_in_validation: str = "", out: str = ".") -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1),
-                                 nn.Linear(32, CLASSES))
+        # batch norm: running statistics that follow each rank's own batches (DDP
+        # broadcasts rank 0's at every forward), so ranks differ at a step's end
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                 nn.Dropout(0.1), nn.Linear(32, CLASSES))
         self.train_acc = MulticlassAccuracy(num_classes=CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=CLASSES, average="micro")
 

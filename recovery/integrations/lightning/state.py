@@ -35,6 +35,8 @@ RUNTIME_KEYS = (MODES_KEY, "checkpointless_observed", "__checkpointless_rng__")
 #: Which checkpoint keys go to which snapshot entry; everything else is "trainer".
 PARTS = {"model": ("state_dict",), "optimizer": ("optimizer_states", "lr_schedulers")}
 ENTRY_NAMES = ("model", "optimizer", "trainer")
+#: The entries that are the same on every rank of a DDP run (but the model's buffers).
+PARTS_DATA_PARALLEL = ("model", "optimizer")
 
 
 def split_checkpoint(checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -119,6 +121,36 @@ class DeferredRNG:
         if self.pending is not None:
             state, self.pending = self.pending, None
             self._rng.load_state_dict(state)
+
+
+class ModelBuffers:
+    """The LightningModule's persistent buffers by value, for the marks of a live
+    rollback (ADR 0039, second addendum). A snapshot's model part is the same on every
+    rank but for these (batch norm statistics move with each rank's own batch), so a
+    replacement that takes the model part from another rank takes its own buffers from
+    its mark. Loading writes them into the restored model part, which the handover
+    loads first."""
+
+    def __init__(self, lstate: LightningState, module: Callable[[], Any]) -> None:
+        self._lstate, self._module = lstate, module
+
+    def state_dict(self) -> dict[str, Any]:
+        module = self._module()
+        if module is None:
+            return {}
+        persistent = module.state_dict(keep_vars=True)
+        return {k: b for k, b in module.named_buffers() if k in persistent}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        model = self._lstate.pending.get("model", {}).get("state_dict")
+        if not isinstance(model, dict):
+            raise RuntimeError("the model part must be restored before its buffers")
+        missing = sorted(set(state_dict) - set(model))
+        if missing:
+            raise KeyError(f"buffers {missing[:3]} are not in the restored model part")
+        model.update(state_dict)
 
 
 class _Entry:

@@ -40,7 +40,15 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
-from recovery import ddp_layout, device_placement, hosted_loader, protocol, world, world_resize
+from recovery import (
+    ddp_layout,
+    device_placement,
+    hosted_loader,
+    live_rollback,
+    protocol,
+    world,
+    world_resize,
+)
 from recovery.env import WorkerEnv
 from recovery.integrations.lightning import loop_state, replayed_saves
 from recovery.integrations.lightning.checkpoint_io import (
@@ -54,7 +62,12 @@ from recovery.integrations.lightning.checkpoint_io import (
 from recovery.integrations.lightning.data import ResumableLoader
 from recovery.integrations.lightning.launcher import CheckpointlessLauncher
 from recovery.integrations.lightning.logger_gate import LoggerGate
-from recovery.integrations.lightning.state import MODES_KEY, LightningState
+from recovery.integrations.lightning.state import (
+    MODES_KEY,
+    PARTS_DATA_PARALLEL,
+    LightningState,
+    ModelBuffers,
+)
 from recovery.recipe import CheckpointlessConfig, load_config, worker_config
 from replication import contract
 
@@ -188,10 +201,13 @@ class CheckpointlessStrategy(DDPStrategy):
                 settings=self.settings, backend=self._get_process_group_backend(), env=env,
                 state=self.lstate.registry, start=False,
             )
-            # Lightning's logged rows wait for their step's commit, and a rollback drops
-            # the uncommitted ones for the replay to log again: a live rollback, which
-            # replays nothing, would lose them. Recoveries here replay (ADR 0039).
-            self.session.live_rollback = False
+            if self.session.live_rollback:
+                # The registered state is checkpoint parts rebuilt at each snapshot, not
+                # live objects: marks are taken at snapshots, and a failure goes on from
+                # the newest one even before its round commits (ADR 0039, addendum 2).
+                self.session.live_rollback = live_rollback.SnapshotMarks(
+                    large=PARTS_DATA_PARALLEL,
+                    buffers=ModelBuffers(self.lstate, lambda: self.lightning_module))
             if self.lightning_module is not None:
                 self.session.faults.install(self.lightning_module, None)
             # Lightning's job can change size when its training loaders split by rank
