@@ -129,7 +129,22 @@ BENCHES = {
                 "addendum): 0.95x in the run below. (A run between had each rank decide "
                 "the halving from its own proposal: their intervals split, 4 and 3, and "
                 "the next round failed with the ranks on different steps. The rule is "
-                "now agreed with the interval.)",
+                "now agreed with the interval.) 2026-11-29, a replacement on the "
+                "survivor's host reads its state in place from the survivor's slot in "
+                "shared memory (ADR 0040) while a thread touches its own slot: the "
+                "transfer part went from 0.36-0.43 s to 0.23-0.40 s (newcomer: map 0.06 s, "
+                "verify and restore 0.12-0.25 s; nothing received). The figures did not "
+                "move beyond the noise: 0.149 / 0.138 / 0.237 the same morning before it, "
+                "then 0.137 / 0.145 / 0.282, 0.154 / 0.116 / 0.261 and 0.136 / 0.122 / "
+                "0.237 (the run below, restart times 7.8-9.4 s against 5.6-7.4 s earlier "
+                "that day; step time after 1.09x, 0.98-1.07x in the others). On this "
+                "2-core host the run-to-run spread of the recovery (0.8-1.1 s) is larger "
+                "than the 0.1-0.2 s the in-place read saves; what is left is step K run "
+                "again (0.26-0.3 s), waiting for the warm spare to reach its rendezvous "
+                "(0.07-0.19 s: it runs the script and builds the model first), the "
+                "survivor's capture of L (0.05 s) and the commit inside the recovery "
+                "(0.06 s). What this does not capture: a replacement on another node "
+                "still receives over the network, as before.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (the writer on its own)",
@@ -161,7 +176,13 @@ BENCHES = {
                 "found step 24's round not yet committed (the race a kill right after a "
                 "snapshot meets), so the job went back to step 16 and replayed 8 steps: "
                 "2.13 s, 0.29 of the restart (0.17 the run before, with every step "
-                "snapshotted, 1 step replayed).",
+                "snapshotted, 1 step replayed). 2026-11-29, Lightning goes on from its "
+                "newest snapshot whether or not its round committed (ADR 0039, addendum "
+                "2): the same kill goes on from step 24 and replays nothing. Three full "
+                "runs: 0.081, 0.088 and 0.091 (the run below; recovery 0.77-0.81 s, "
+                "restart 8.4-9.8 s that day, 7.4 s two days before: against 7.4 s the "
+                "same recoveries would be 0.10-0.11). A kill later in an interval still "
+                "replays from that interval's snapshot: Lightning marks no other step.",
     },
     "bench_goodput": {
         "title": "Chaos soak: goodput under random failures",
