@@ -118,9 +118,10 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     committed (see :func:`_schedule` for why inside the recovery); its parts' times
     include ``capture_s`` (a survivor's) and ``commit_s``.
 
-    A survivor loads its own mark and captures its snapshot of the live step first: a
-    provider sends a newcomer its large entries from that slot (no second copy), and the
-    commit replicates the same slot."""
+    A survivor loads its own mark and captures its snapshot of the live step first (with
+    :class:`SnapshotMarks`, it restores the snapshot it took at that step instead): a
+    provider gives a newcomer its large entries from that slot (no second copy), and
+    the commit replicates the same slot."""
     rep = rt.replicator
     assert isinstance(rep, Replicator)
     step = plan.target_step

@@ -3,11 +3,13 @@
 The plan (:func:`recovery.live_plan.upgrade`) chose this when every survivor's large
 entries (the data-parallel model and its optimizers) are still as they were at the end
 of step L, and the lost ranks' marks of L (:mod:`replication.marks`) are held by
-survivors. Nothing is replayed and no snapshot is restored:
+survivors. Nothing is replayed:
 
 1. each survivor loads its own mark of L, which puts back what step L+1 had moved (the
-   RNG, the data position, ...), and captures its snapshot of L
-   (:func:`recovery.live_rollback.transfer` does both, before calling this);
+   RNG, the data position, ...), and captures its snapshot of L; a survivor whose
+   marks hold checkpoint parts (:meth:`MarkBook.declare_parts`, the Lightning
+   strategy's) restores its snapshot of L instead, which it took at L
+   (:func:`recovery.live_rollback.transfer` does either, before calling this);
 2. each provider sends every newcomer it serves its own mark of L, and offers it that
    snapshot's slot in shared memory (:mod:`replication.peer_memory`, ADR 0040); a
    newcomer on the same host maps it and answers yes, and then gets only its metadata;
