@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import posixpath
 from datetime import datetime
-from typing import Any
 
 import torch.distributed as dist
 
@@ -62,35 +61,38 @@ def durable_outcome(p: PersistenceConfig, started_at: float) -> tuple[str, bool 
     if not p.path:
         return "", True
     from replication.durable import DurableError, scan
-    from replication.durable.storage import resolve
 
     opts = dict(p.storage_options)
     valid: list = []
     try:
         valid = [c for c in scan(p.path, opts) if c.valid]
-        problem = None if _is_dir(p.path, opts, resolve) else f"{p.path} is not a directory"
+        problem = None if _is_dir(p.path, opts) else f"{p.path} is not a directory"
     except (DurableError, OSError) as exc:
         problem = str(exc)
-    if problem is not None and not _missing(p.path, opts, resolve):
+    if problem is not None and not _missing(p.path, opts):
         return f", durable: cannot list {p.path!r} ({problem})", None
     newest = valid[-1] if valid else None
-    saves = _durable_saves(p.path, dict(p.storage_options), started_at)
+    saves = _durable_saves(p.path, opts, started_at)
     if newest is None:
         return f", durable: nothing persisted{saves}", False
     return f", durable: newest complete checkpoint step {newest.step}{saves}", True
 
 
-def _is_dir(url: str, options: dict, resolve: Any) -> bool:
+def _is_dir(url: str, options: dict) -> bool:
     """Whether ``url`` is a directory (or, on an object store, a prefix); a path that
     points at a file (a storage outage in the chaos soak: the link re-pointed) is not."""
+    from replication.durable.storage import resolve
+
     fs, path = resolve(url, options)
     return not fs.exists(path) or fs.isdir(path)
 
 
-def _missing(url: str, options: dict, resolve: Any) -> bool:
+def _missing(url: str, options: dict) -> bool:
     """Whether ``url`` plainly does not exist (its parent can be read and lacks it), as
     opposed to storage that cannot be read now (an outage: a path component that is no
     directory, a bucket that does not answer)."""
+    from replication.durable.storage import resolve
+
     try:
         fs, path = resolve(url, options)
         return not fs.exists(path) and fs.isdir(posixpath.dirname(path.rstrip("/")))

@@ -184,8 +184,8 @@ def _receive(channel: SideChannel, engine: SnapshotEngine, src: int, step: int,
              chunk_bytes: int, same_host: bool,
              ) -> tuple[Mark, torch.Tensor, SnapshotMeta, _SlotPreparer | None]:
     """A newcomer's mark, and the provider's large entries: read where they lie in the
-    provider's shared memory when this host can map it (the last value: ``True``; the
-    caller checks them), else received into a free slot of this rank's engine, each
+    provider's shared memory when this host can map it (unchecked: the caller verifies
+    them as it restores), else received into a free slot of this rank's engine, each
     verified as it lands (that slot is not a snapshot: it is invalid until a capture
     writes all of it). Returns the mark, the buffer, the metadata of the large segments
     (at their offsets in that buffer), and, when it is mapped, what prepares this rank's

@@ -163,9 +163,12 @@ class MarkBook:
         self.held: dict[int, Mark] = {}
         self._lock = threading.Lock()
         self._too_large_warned = False
-        #: marks of a state whose large entries are checkpoint parts (:meth:`declare_parts`)
-        self.at_snapshots = False
-        self._buffers_entry: Any = None
+        self._buffers_entry: Any = None  # set by declare_parts, for good
+
+    @property
+    def at_snapshots(self) -> bool:
+        """Whether marks hold a state declared by parts (:meth:`declare_parts`)."""
+        return self._buffers_entry is not None
 
     def declare_parts(self, large: Sequence[str], buffers: Any) -> None:
         """Marks of a state whose large entries are not live objects but parts of a
@@ -177,7 +180,7 @@ class MarkBook:
         (they differ per rank after a forward pass), loaded after the large entries."""
         if self.at_snapshots and list(large) == self.large:
             return
-        self.at_snapshots, self.large, self.own = True, list(large), None
+        self.large, self.own = list(large), None
         small = TrainingState(rng=False)
         for name, obj in self.state:
             if name not in self.large:
@@ -254,7 +257,7 @@ class MarkBook:
             if name in wanted:
                 out.register(name, obj)
         if BUFFERS in wanted:
-            out.register(BUFFERS, self._buffers_entry if self._buffers_entry is not None
+            out.register(BUFFERS, self._buffers_entry if self.at_snapshots
                          else _Buffers(self.state, ()))
         missing = wanted - set(out.names())
         if missing:
