@@ -40,9 +40,9 @@ def check_replicas_agree(model: torch.nn.Module, device: torch.device, *, rank: 
     the first call of each generation (a replacement's restored weights too). ``wait``
     is the runtime's failure-aware wait for the all-gather.
     """
-    h = xxhash.xxh64()
+    h = xxhash.xxh3_64()  # read in place: a copy of each tensor cost more than the hash
     for p in model.parameters():
-        h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy())
     mine = torch.tensor([h.intdigest() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     wait(dist.all_gather(gathered, mine, async_op=True))

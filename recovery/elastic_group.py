@@ -222,6 +222,12 @@ class ElasticProcessGroup(dist.ProcessGroup):
             raise CollectiveAborted(f"checkpointless: collective aborted: {failure}")
         return None, None
 
+    def completes_locally(self) -> bool:
+        """Whether a collective issued now completes locally: this process has not
+        joined a generation yet, and no failure is declared."""
+        with self._lock:
+            return self._failure is None and self._gen is None
+
     def _run(self, tensors: Any, call: Callable[[Any], Any],
              local: Callable[[], Any], post: Callable[[], Any] | None = None) -> Any:
         """Run ``call(inner_backend)``, or ``local()`` before this process joined.

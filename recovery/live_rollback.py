@@ -9,7 +9,10 @@ state registry), like :mod:`recovery.world_resize` does for a resize.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,7 @@ from replication.live_handover import hand_over_live
 from replication.marks import MarkExchange
 from replication.replicator import Replicator
 from replication.slots import SnapshotSlot
+from replication.snapshot import SnapshotEngine
 from replication.snapshot_meta import SnapshotError
 
 if TYPE_CHECKING:
@@ -113,6 +117,99 @@ def live_step(rt: Checkpointless) -> int:
     return step
 
 
+class _CaptureAhead:
+    """A survivor's capture of its live step on a thread of its own, started once its
+    join record is written, while the rendezvous waits for the newcomers (ADR 0039,
+    addendum 3): a warm spare needs 0.03-0.06 s to reach the rendezvous here, about what
+    the survivor's capture of 200 MB costs, which it then no longer adds after the plan."""
+
+    def __init__(self, rt: Checkpointless, rep: Replicator, step: int) -> None:
+        self.step = step
+        self._slot: SnapshotSlot | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(rt, rep), daemon=True,
+                                        name="checkpointless-capture-ahead")
+        self._thread.start()
+
+    def _run(self, rt: Checkpointless, rep: Replicator) -> None:
+        try:
+            own = rep.marks.own
+            assert own is not None and own.step == self.step
+            _schedule(rt, self.step)
+            rep.marks.restore_small(own)  # a plan for another step restores all of it
+            slot = rep.capture(self.step)
+            rep.engine.seal(slot)
+            self._slot = slot
+        except BaseException as exc:  # raised again by result(), where the caller is
+            self._error = exc
+
+    def result(self) -> SnapshotSlot:
+        """The sealed slot of :attr:`step`; the capture's error, raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._slot is not None
+        return self._slot
+
+    def holds(self) -> bool:
+        """Whether the capture ended well and its slot still holds :attr:`step`."""
+        self._thread.join()
+        return self._slot is not None and self._slot.step == self.step
+
+    def discard(self, rep: Replicator) -> None:
+        """Not used: wait for the capture, then free what it wrote, so no snapshot of a
+        step the job rolls back past stays behind. Only this capture wrote a slot of
+        :attr:`step` (it started with none newer than the committed step held)."""
+        self._thread.join()
+        for slot in rep.engine.slots:
+            if slot.step == self.step:
+                rep.engine.discard(slot)
+
+
+_AHEAD: weakref.WeakKeyDictionary[SnapshotEngine, _CaptureAhead] = (
+    weakref.WeakKeyDictionary())
+"""The capture a survivor started for the plan it waits for, until :func:`transfer`
+takes it or the plan turns out not to use it; by engine, which carries over to the
+next generation's replicator (built between the rendezvous and the transfer)."""
+
+
+def rendezvous_capturing_ahead(rt: Checkpointless, live: int, agree: Callable[[], Any]) -> Any:
+    """``agree()`` (the rendezvous), with this survivor's capture of its live step
+    ``live`` (its join record's) started first on a thread when a live rollback to it
+    is possible: that is the only step a live plan can target on this rank, since the
+    planner needs every survivor to report the same one. The capture takes a slot
+    only when no snapshot newer than the committed one is held (then the slot it takes
+    is never one a plan could need: the committed step's is kept, and the others are
+    older); it is kept for :func:`transfer` when the plan is that live rollback, and
+    discarded otherwise (a snapshot recovery restores every entry, the small ones the
+    capture loaded from the mark too). One kept from an earlier attempt at this
+    recovery that never reached its transfer is used again when it holds ``live``."""
+    rep = _replicator(rt)
+    if rep is None:
+        return agree()
+    ahead = _AHEAD.pop(rep.engine, None)
+    if ahead is not None and not (ahead.step == live and ahead.holds()):
+        ahead.discard(rep)
+        ahead = None
+    protected = rep.engine.protected_step
+    if (ahead is None and live > protected and not rep.marks.at_snapshots
+            and rep.marks.own is not None and rep.marks.own.step == live
+            and all(s.empty or s.step <= protected for s in rep.engine.slots)):
+        ahead = _CaptureAhead(rt, rep, live)
+    kept = False
+    try:
+        result = agree()
+        plan = result[0]
+        kept = ahead is not None and plan.live and plan.target_step == live
+        return result
+    finally:
+        if ahead is not None:
+            if kept:
+                _AHEAD[rep.engine] = ahead
+            else:
+                ahead.discard(rep)
+
+
 def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     """The live handover, then the failed step's gradients dropped and the live step
     committed (see :func:`_schedule` for why inside the recovery); its parts' times
@@ -128,11 +225,17 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     captured = None
     t0 = time.perf_counter()
     parts = rep.marks.at_snapshots
-    if not parts:  # declared by parts, L is a snapshot the schedule took
+    ahead = _AHEAD.pop(rep.engine, None)  # a survivor's capture of ``step``, done already
+    if ahead is not None and (ahead.step != step or rep.rank in plan.providers):
+        ahead.discard(rep)
+        ahead = None
+    if not parts and ahead is None:  # declared by parts, L is a snapshot the schedule took
         _schedule(rt, step)
     rep.engine.protect(plan.base_step)  # before a capture picks a free slot
     rep.replicas.protect(plan.base_step)
-    if rep.rank not in plan.providers and parts:
+    if ahead is not None:
+        captured = ahead.result()
+    elif rep.rank not in plan.providers and parts:
         # The state is checkpoint parts, not live objects: restore L's snapshot,
         # finished first if the failure stopped its round before its copy was.
         captured = _sealed(rep, step)

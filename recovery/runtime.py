@@ -37,6 +37,7 @@ from recovery import (
     drain,
     elastic_controller,
     fencing,
+    gradient_average,
     live_rollback,
     loader_position,
     process_groups,
@@ -239,22 +240,7 @@ class Checkpointless:
 
         Calling it declares ``model`` data-parallel, so the first call of each
         generation also checks that every rank holds the same weights."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads or self.world_size == 1:
-            return
-        if id(model) not in self._dp_checked:  # the weights agree: say so loudly if not
-            self._dp_checked.add(id(model))
-            divergence.check_replicas_agree(model, grads[0].device, rank=self.rank,
-                                            world_size=self.world_size, step=self.step,
-                                            log=self.log, wait=self.wait)
-            self._declare_data_parallel(model)
-        flat = torch._utils._flatten_dense_tensors(grads)
-        weight = world_resize.gradient_weight(self)  # after a shrink to an uneven split
-        self.wait(dist.all_reduce(flat if weight is None else flat.mul_(weight), async_op=True))
-        if weight is None:
-            flat.div_(self.world_size)
-        for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(f)
+        gradient_average.all_reduce_gradients(self, model)
 
     def _declare_data_parallel(self, model: torch.nn.Module | None = None) -> None:
         """Watch for drift (:mod:`replication.drift`) the state entries that are
@@ -558,11 +544,11 @@ class Checkpointless:
             **live_rollback.join_fields(self, newcomer))
         self._joined_live = {"live_step": record.live_step, "marks_held": record.marks}
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
-        # A newer generation, as the watchdog saw it: no store request per check (it
-        # blocks on the next cause record, or polls, on a connection of its own).
-        return agree(self.store, gen, record, self.world_size, timeout,
-                     lambda: max(self.watchdog.seen, gen),
-                     lambda: self.committed_step, self._fenced, blocking=True)
+        # A newer generation as the watchdog saw it (on its own connection, no request here)
+        return live_rollback.rendezvous_capturing_ahead(self, record.live_step, lambda: agree(
+            self.store, gen, record, self.world_size, timeout,
+            lambda: max(self.watchdog.seen, gen), lambda: self.committed_step,
+            self._fenced, blocking=True))
 
     def _fenced(self) -> str | None:
         return fencing.reason(self.store, self.slot, self.env.local_world_size, self.env.node)

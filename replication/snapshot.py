@@ -481,6 +481,11 @@ class SnapshotEngine:
             slot.step = meta.step
 
     # -- commit bookkeeping ------------------------------------------------------------
+    def discard(self, slot: SnapshotSlot) -> None:
+        """Forget what ``slot`` holds (a capture nothing will use): free for the next."""
+        with self._lock:
+            slot.step, slot.digests, slot.pending, slot.skeletons = -1, None, None, {}
+
     def protect(self, step: int) -> None:
         """Record that ``step`` is committed: its slot must survive the next capture."""
         with self._lock:

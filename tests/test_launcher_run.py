@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,20 @@ def test_failed_worker_is_replaced_and_others_keep_running(agents, tmp_path, out
     started = events(run_dir, "spare_start")
     assert all(e["forked"] is fork for e in started) and bool(started) is bool(spares)
     assert bool(events(run_dir, "zygote_ready")) is fork
+
+
+def test_a_worker_that_dies_wakes_the_agent_at_once(agents, tmp_path, out):
+    """The agent's poll loop sleeps ``--monitor-interval`` between passes; a child's
+    exit (SIGCHLD) ends the sleep, so a dead worker is seen in milliseconds, not up to
+    an interval later (3 s here: the old behaviour would miss the bound 2 times in 3)."""
+    proc, run_dir = standalone(agents, tmp_path, "--monitor-interval", "3",
+                               worker=("--replacement-finishes",))
+    [rec] = wait_for(lambda: records(out, 1), 30, "rank 1 to start")
+    killed_at = time.time()
+    os.kill(rec["pid"], signal.SIGKILL)
+    assert agents.wait(proc) == 0, agents.log(proc)
+    [exited] = [e for e in events(run_dir, "worker_exit") if e["pid"] == rec["pid"]]
+    assert exited["ts"] - killed_at < 1.0, exited
 
 
 def test_hung_worker_is_killed_and_replaced(agents, tmp_path, out):
