@@ -125,6 +125,7 @@ class _CaptureAhead:
 
     def __init__(self, rt: Checkpointless, rep: Replicator, step: int) -> None:
         self.step = step
+        self.seconds = 0.0  # how long the capture took, off the critical path
         self._slot: SnapshotSlot | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(rt, rep), daemon=True,
@@ -132,6 +133,7 @@ class _CaptureAhead:
         self._thread.start()
 
     def _run(self, rt: Checkpointless, rep: Replicator) -> None:
+        t0 = time.perf_counter()
         try:
             own = rep.marks.own
             assert own is not None and own.step == self.step
@@ -142,6 +144,7 @@ class _CaptureAhead:
             self._slot = slot
         except BaseException as exc:  # raised again by result(), where the caller is
             self._error = exc
+        self.seconds = time.perf_counter() - t0
 
     def result(self) -> SnapshotSlot:
         """The sealed slot of :attr:`step`; the capture's error, raised here."""
@@ -256,7 +259,8 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     t0 = time.perf_counter()
     rep.snapshot(step, urgent=True, captured=captured)
     rep.wait()
-    result.parts = {"capture_s": round(capture_s, 4), **result.parts,
+    ahead_s = {"capture_ahead_s": round(ahead.seconds, 4)} if ahead is not None else {}
+    result.parts = {"capture_s": round(capture_s, 4), **ahead_s, **result.parts,
                     "commit_s": round(time.perf_counter() - t0, 4)}
     return result
 

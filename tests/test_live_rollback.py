@@ -203,6 +203,9 @@ def test_a_kill_mid_interval_goes_on_from_the_step_before_it(tmp_path):
     newcomer = _newcomer(job)
     assert "map_s" in newcomer["transfer_parts"], newcomer["transfer_parts"]
     assert "receive_s" not in newcomer["transfer_parts"]
+    # the survivor captured step 10 while the rendezvous waited for the replacement
+    survivor = next(e for e in h.recovery_events(job) if not e.get("newcomer"))
+    assert "capture_ahead_s" in survivor["transfer_parts"], survivor["transfer_parts"]
     # 8 unless its round was still running when the kill came (then 0, and its
     # snapshot is dropped: no durable save is due at it in this job)
     assert {int(e["base_step"]) for e in h.recovery_events(job)} <= {0, 8}
