@@ -36,7 +36,6 @@ import itertools
 import os
 import signal
 import socket
-import threading
 import time
 from typing import Any
 
@@ -53,6 +52,7 @@ from launcher import (
     zygote_start,
 )
 from launcher.agent_endings import Endings
+from launcher.loop_wakeup import LoopWakeup
 from launcher.node_loss import LostGroup, NodeLossHandling
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
@@ -131,8 +131,8 @@ class Agent(NodeLossHandling, Endings):
         self.job_store: job_store.JobStore | None = None
         self.done = liveness.DoneWatch(args.world_size)
         self._signal: int | None = None
-        self._wake = threading.Event()
-        self._poll_now = threading.Event()  # a child exited or a signal came: poll at once
+        self._signals_seen = 0  # a count, not an Event: a handler must take no lock
+        self._wakeup: LoopWakeup | None = None  # the loop's sleep, ended by SIGCHLD too
         self._seq = itertools.count()
         self._next_peer_check = 0.0
         self._next_reap = 0.0
@@ -144,12 +144,7 @@ class Agent(NodeLossHandling, Endings):
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal_received)
-        # A worker's death wakes the poll loop at once instead of at its next pass
-        # (up to --monitor-interval later): on the test host that was 0-50 ms of
-        # every recovery, on top of the kernel's teardown of the dead process.
-        previous_sigchld = signal.signal(signal.SIGCHLD,
-                                         lambda _sig, _frame: self._poll_now.set())
-        signal.siginterrupt(signal.SIGCHLD, False)  # SA_RESTART: no EINTR from it elsewhere
+        self._wakeup = LoopWakeup()  # a worker's death ends the loop's sleep at once
         try:
             self._connect()
             if not self._check_storage() or not self._join():
@@ -186,13 +181,12 @@ class Agent(NodeLossHandling, Endings):
             worker_output.drain()  # the workers' last lines, before we exit
             if self.job_store is not None:
                 self.job_store.release()
-            signal.signal(signal.SIGCHLD, previous_sigchld)
+            self._wakeup.close()
 
     def _on_signal_received(self, signum: int, _frame: Any) -> None:
         if self._signal is None:
             self._signal = signum
-        self._wake.set()
-        self._poll_now.set()
+        self._signals_seen += 1  # the loop's sleep ends on its own (loop_wakeup)
 
     # --- joining --------------------------------------------------------------------
     def _connect(self) -> None:
@@ -347,7 +341,8 @@ class Agent(NodeLossHandling, Endings):
         timer = _PassTimer()
         while True:
             timer.start()
-            self._poll_now.clear()  # a child exiting from here on wakes the next wait
+            assert self._wakeup is not None
+            self._wakeup.clear()  # a child exiting from here on ends the next sleep
             if self._signal is not None:
                 return self._stop()
             gen = protocol.current_generation(self.store)  # before looking at anyone
@@ -380,7 +375,7 @@ class Agent(NodeLossHandling, Endings):
             timer.lap("done")
             if (stall := timer.stalled(STALL_REPORT_S)) is not None:
                 self._emit(Event.AGENT_STALLED, **stall)
-            self._poll_now.wait(self.args.monitor_interval_s)
+            self._wakeup.sleep(self.args.monitor_interval_s)
 
     def _poll_workers(self, gen: int) -> None:
         for w in list(self.workers.values()):

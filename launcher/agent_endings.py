@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 import time
 from typing import Any
 
@@ -46,7 +45,7 @@ class Endings:
     spares: SparePool | None
     watch: PeerWatch
     _signal: int | None
-    _wake: threading.Event
+    _signals_seen: int
     _started_at: float
 
     def _emit(self, event: str, **fields: Any) -> None: ...
@@ -92,8 +91,8 @@ class Endings:
                 open(w.heartbeat + drain.STOP_SUFFIX, "a").close()
         patience = self.cfg.replication.timeout_s + 30.0  # a round, then a save
         deadline = time.monotonic() + patience
-        self._wake.clear()  # a second signal (an operator's Ctrl-C) ends the wait
-        while (time.monotonic() < deadline and not self._wake.is_set()
+        seen = self._signals_seen  # a second signal (an operator's Ctrl-C) ends the wait
+        while (time.monotonic() < deadline and self._signals_seen == seen
                and any(w.proc.poll() is None for w in self.workers.values())):
             time.sleep(0.05)
         codes = {w.rank: w.proc.poll() for w in self.workers.values()}
