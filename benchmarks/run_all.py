@@ -144,7 +144,30 @@ BENCHES = {
                 "(0.07-0.19 s: it runs the script and builds the model first), the "
                 "survivor's capture of L (0.05 s) and the commit inside the recovery "
                 "(0.06 s). What this does not capture: a replacement on another node "
-                "still receives over the network, as before.",
+                "still receives over the network, as before. 2026-11-29 later, with ADR "
+                "0041 (the agent wakes on a worker's SIGCHLD; the survivor captures L "
+                "while the rendezvous waits for the spare; a replacement's DDP "
+                "constructor skips the weight broadcast that completes locally; "
+                "`all_reduce_gradients` keeps its flat buffer; the replica check hashes "
+                "in place), on an idle host, four full runs: 0.101 / 0.098 / 0.298, "
+                "0.114 / 0.096 / 0.270, 0.108 / 0.114 / 0.272 (before the last two "
+                "changes) and 0.113 / 0.091 / 0.280 (the run below); step time after "
+                "0.97-1.02x. The first run of that day, on the same idle host before "
+                "these changes, gave 0.124 / 0.122 / 0.282 (restart 5.0 s, recovery "
+                "0.62 s): on an idle host the restart is 4.6-5.4 s, not the 7.8-9.4 s "
+                "of the runs above, so the ratios move less than the seconds. A "
+                "data-parallel recovery is now 0.48-0.60 s: the kill to the "
+                "replacement's rendezvous 0.08-0.09 s, its verify and restore of the "
+                "mapped slot 0.11-0.13 s, the commit of L 0.04-0.05 s, and step K run "
+                "again 0.26-0.29 s (a steady step is 0.20-0.23 s). So the manual and "
+                "DDP figures sit at the 0.10 target, on either side of it from run to "
+                "run. FSDP2 cannot reach it on this host: its step is 0.42-0.50 s and "
+                "the restart 5.5-6.2 s, so step K run again is already 0.08-0.09 of "
+                "a restart; at the default interval the kill also replays 2 steps "
+                "(the probe's snapshot is step 32), and with "
+                "`replication.every_n_steps=1` a stand-alone run still replayed K-1 "
+                "(its round had not committed when the kill came; 1.24 s). Quick mode "
+                "the same day: 0.062 / 0.052 / 0.169, step time after 1.00x.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (the writer on its own)",
@@ -182,7 +205,11 @@ BENCHES = {
                 "runs: 0.081, 0.088 and 0.091 (the run below; recovery 0.77-0.81 s, "
                 "restart 8.4-9.8 s that day, 7.4 s two days before: against 7.4 s the "
                 "same recoveries would be 0.10-0.11). A kill later in an interval still "
-                "replays from that interval's snapshot: Lightning marks no other step.",
+                "replays from that interval's snapshot: Lightning marks no other step. "
+                "Later on 2026-11-29, with ADR 0041 (the agent wakes on the worker's "
+                "SIGCHLD; the spare's DDP constructor, which Lightning's strategy builds, "
+                "skips the weight broadcast that completes locally): 0.077 (the run "
+                "below: recovery 0.48 s against a 6.2 s restart, nothing replayed).",
     },
     "bench_goodput": {
         "title": "Chaos soak: goodput under random failures",
