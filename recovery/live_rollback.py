@@ -119,9 +119,11 @@ def live_step(rt: Checkpointless) -> int:
 
 class _CaptureAhead:
     """A survivor's capture of its live step on a thread of its own, started once its
-    join record is written, while the rendezvous waits for the newcomers (ADR 0039,
-    addendum 3): a warm spare needs 0.03-0.06 s to reach the rendezvous here, about what
-    the survivor's capture of 200 MB costs, which it then no longer adds after the plan."""
+    join record is written, while the rendezvous waits for the newcomers (ADR 0041): a
+    warm spare needs 0.03-0.06 s to reach the rendezvous here, about what the survivor's
+    capture of 200 MB costs, which it then no longer adds after the plan. Only the
+    rendezvous runs meanwhile, which touches no registered state; the thread is joined
+    before anything else does (the next generation's set-up measures the state)."""
 
     def __init__(self, rt: Checkpointless, rep: Replicator, step: int) -> None:
         self.step = step
@@ -145,6 +147,9 @@ class _CaptureAhead:
         except BaseException as exc:  # raised again by result(), where the caller is
             self._error = exc
         self.seconds = time.perf_counter() - t0
+
+    def join(self) -> None:
+        self._thread.join()
 
     def result(self) -> SnapshotSlot:
         """The sealed slot of :attr:`step`; the capture's error, raised here."""
@@ -207,6 +212,7 @@ def rendezvous_capturing_ahead(rt: Checkpointless, live: int, agree: Callable[[]
         return result
     finally:
         if ahead is not None:
+            ahead.join()  # nothing else may touch the state while it captures
             if kept:
                 _AHEAD[rep.engine] = ahead
             else:
