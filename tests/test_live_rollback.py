@@ -271,7 +271,6 @@ def test_the_durable_saves_are_those_of_a_run_without_failures(tmp_path):
     h.assert_succeeded(job)
     h.assert_same_final(ref, job)
     # Live from 10, unless step 8's save was still waiting for its writer when the kill
-    # came (its round ended late on a loaded host): then the snapshot path, by the rule,
-    # to 8, or to 4 when 8's round (niced) had not even committed (seen under -n 2).
-    assert _targets(job) in ({(10, True)}, {(8, False)}, {(4, False)})
+    # came (its round ended late on a loaded host): then the snapshot path, by the rule.
+    assert _targets(job) in ({(10, True)}, {(8, False)})
     assert saves(job) == saves(ref) == [8, 16, 20], (saves(ref), saves(job))
