@@ -97,9 +97,34 @@ class DurableTier:
         ``final``: the job's last committed step, persisted whether or not the schedule
         has it due.
         """
-        last = replicator.settled_round()
-        if last is not None:
-            self._persist(replicator, last.step, final)
+        newest, waited = replicator.settled_round(), replicator.last_round
+        if newest is None:
+            return
+        # The round ``maybe_snapshot`` waited for at this step's end was not yet committed
+        # at the previous one, and the round it then started may already have ended (a
+        # small state): ``waited`` was never seen here. Its save, when due, is made if the
+        # newest one is not. When both are due, the newest is saved and the older one
+        # recorded as skipped (the writer cannot start both, and a wait here would stall
+        # the loop), except at the job's end, which waits for the older one first.
+        older = waited.step if waited is not None and waited.step < newest.step else None
+        if older is not None and self._unhanded_and_due(older):
+            assert self.writer is not None
+            if final:
+                self._persist(replicator, older, False)
+                self.writer.flush(self.settings.replication.timeout_s)
+            elif self._unhanded_and_due(newest.step):
+                self.writer.skip(older, f"superseded by step {newest.step}: its round "
+                                        "committed when the newer one had already ended")
+            else:
+                self._persist(replicator, older, False)
+                return
+        self._persist(replicator, newest.step, final)
+
+    def _unhanded_and_due(self, step: int) -> bool:
+        """Whether ``step`` is a save due by the schedule not yet handed to the writer."""
+        if self.writer is None or step <= max(self.persisted_step, 0) or step in self._never:
+            return False
+        return bool(self.writer.should_persist(step, steps_due=self._due_by_steps(step)))
 
     def save_pending(self, step: int) -> bool:
         """Whether a save due at ``step`` was not handed to the writer yet: a live

@@ -87,7 +87,8 @@ def _saved(ckpt: Path, after: int) -> dict[int, list[int]]:
     """rank -> steps after ``after`` it saved ("ok" rows of the history)."""
     rows = read_history(str(ckpt))
     bad = [r for r in rows if int(r["step"]) > after and r["status"] != "ok"]
-    assert not bad, [dict(r) for r in bad]  # no skipped, failed or aborted save
+    # no skipped, failed or aborted save (the message names each one's status and why)
+    assert not bad, [(r["step"], r["rank"], r["status"], r["detail"]) for r in bad]
     return {rank: sorted(int(r["step"]) for r in rows
                          if int(r["rank"]) == rank and int(r["step"]) > after)
             for rank in (0, 1)}
@@ -180,11 +181,14 @@ def test_a_replacement_persists_the_same_steps_as_the_survivors(tmp_path):
     # kill and the save interval's first choice came after it; not yet examined, so
     # pinned off here. The kill comes after two agreements (steps 64 and 128): on CI's
     # loaded host the first once proposed the probe's interval again, so the first
-    # change came at 128, after a kill at step 100.
+    # change came at 128, after a kill at step 100. Steps padded as B's: on CI's loaded
+    # host both ranks' rows for step 168 were once not "ok"; the likely cause is saves of
+    # 160 outlasting 8 steps of A's padding, so each writer skipped 168 (the writer's
+    # rule, not this test's subject). _saved's message now names the status and reason.
     job = run_job(tmp_path / "run", spares=1, overrides=_overrides(
         ckpt, "replication.every_n_steps=8", "recovery.fault=1:150:backward",
         "recovery.live_rollback=false"),
-        script_args=("--steps", str(STEPS_A), *ARGS), timeout_s=150)
+        script_args=("--steps", str(STEPS_A), *ARGS[:-1], "0.08"), timeout_s=150)
     assert_succeeded(job)
     assert_recovered(job, every_n_steps=8)
     (target,) = {int(e["target_step"]) for e in recovery_events(job)}

@@ -257,6 +257,17 @@ class DurableWriter:
         ticket._finish(result)
         return ticket
 
+    def skip(self, step: int, reason: str) -> SaveResult:
+        """Record that the save due at ``step`` is not made, with ``reason``: a history
+        row and a logged warning, as for a save the writer skipped itself, so a cadence
+        that was not kept is never kept silently."""
+        result = SaveResult(step, self.rank, SKIPPED, error=reason)
+        with self._cond:
+            self._record(result)
+            self._cond.notify_all()
+        self._log_skip(result)
+        return result
+
     def _warm_up(self) -> None:
         """Before the first save, wait for the helper process to be ready.
 
