@@ -115,6 +115,23 @@ def test_sigterm_to_the_store_hosts_agent_mid_training_stops_the_job(tmp_path):
     assert "node 0 stopped by SIGTERM" in outs[1], outs[1][-3000:]
 
 
+@pytest.fixture
+def sigint_not_ignored():
+    """SIGINT at its default in this process while the test runs, so the children it
+    starts get it too. A suite started in the background (``make test &`` from a
+    non-interactive shell) inherits SIGINT ignored, and exec passes an ignored signal on:
+    no Ctrl-C could then reach a starting worker, held or not."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.usefixtures("sigint_not_ignored")
 @pytest.mark.parametrize("held", [True, False])
 def test_ctrl_c_while_a_worker_interpreter_starts(tmp_path, capfd, held):
     """A Ctrl-C that lands while a worker's interpreter is still starting (before the
