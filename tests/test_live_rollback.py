@@ -271,6 +271,8 @@ def test_the_durable_saves_are_those_of_a_run_without_failures(tmp_path):
     h.assert_succeeded(job)
     h.assert_same_final(ref, job)
     # Live from 10, unless step 8's save was still waiting for its writer when the kill
-    # came (its round ended late on a loaded host): then the snapshot path, by the rule.
-    assert _targets(job) in ({(10, True)}, {(8, False)})
+    # came (its round ended late on a loaded host): then the snapshot path, by the rule,
+    # to the committed step: 8, or 4 when 8's round had not committed yet either (seen
+    # once under -n 2 on the 2-core host). Whichever, the saves below must not change.
+    assert _targets(job) in ({(10, True)}, {(8, False)}, {(4, False)})
     assert saves(job) == saves(ref) == [8, 16, 20], (saves(ref), saves(job))
