@@ -139,6 +139,11 @@ class DurableTier:
         failures writes the checkpoints of one without."""
         self._never.add(step)
 
+    def include(self, step: int) -> None:
+        """Undo :meth:`exclude`: the capture that excluded ``step`` was discarded, and
+        the job will run that step again."""
+        self._never.discard(step)
+
     def after_recovery(self, replicator: Replicator, step: int) -> None:
         """The job was restored to its committed ``step``. A save due there that this
         rank had not handed to its writer yet (the failure came between the commit and

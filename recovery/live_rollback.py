@@ -128,6 +128,8 @@ class _CaptureAhead:
     def __init__(self, rt: Checkpointless, rep: Replicator, step: int) -> None:
         self.step = step
         self.seconds = 0.0  # how long the capture took, off the critical path
+        self._durable = rt.durable
+        self._excluded = False  # _schedule took the step out of the durable saves
         self._slot: SnapshotSlot | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(rt, rep), daemon=True,
@@ -139,7 +141,7 @@ class _CaptureAhead:
         try:
             own = rep.marks.own
             assert own is not None and own.step == self.step
-            _schedule(rt, self.step)
+            self._excluded = _schedule(rt, self.step)
             rep.marks.restore_small(own)  # a plan for another step restores all of it
             slot = rep.capture(self.step)
             rep.engine.seal(slot)
@@ -167,11 +169,17 @@ class _CaptureAhead:
     def discard(self, rep: Replicator) -> None:
         """Not used: wait for the capture, then free what it wrote, so no snapshot of a
         step the job rolls back past stays behind. Only this capture wrote a slot of
-        :attr:`step` (it started with none newer than the committed step held)."""
+        :attr:`step` (it started with none newer than the committed step held). The
+        step goes back to the durable saves: the job will run it again, and the schedule
+        then says whether its snapshot is a save (the interval in force may differ by
+        then), on every rank alike."""
         self._thread.join()
         for slot in rep.engine.slots:
             if slot.step == self.step:
                 rep.engine.discard(slot)
+        if self._excluded:
+            self._durable.include(self.step)
+            self._excluded = False
 
 
 _AHEAD: weakref.WeakKeyDictionary[SnapshotEngine, _CaptureAhead] = (
@@ -293,16 +301,18 @@ def drop_gradients(rt: Checkpointless) -> None:
             obj.zero_grad(set_to_none=True)
 
 
-def _schedule(rt: Checkpointless, step: int) -> None:
+def _schedule(rt: Checkpointless, step: int) -> bool:
     """Before the live step is captured: a step the schedule snapshots anyway is an
     ordinary snapshot (and a durable save if one is due); any other is never a durable
     save, so the run writes the checkpoints of one without failures. The step is
     snapshotted and committed inside the recovery (:func:`transfer`), before the
     generation trains: a replacement holds no snapshot of the committed step, so until
     this commits its state would have one copy (its holder's replica), and a second
-    failure taking that holder would lose it."""
+    failure taking that holder would lose it. Returns whether ``step`` was excluded
+    from the saves (a capture that is then discarded puts it back)."""
     assert rt.replicator is not None
     if rt.replicator.snapshot_due(step):
         rt.durable.before_capture(step)
-    else:
-        rt.durable.exclude(step)
+        return False
+    rt.durable.exclude(step)
+    return True
