@@ -141,8 +141,8 @@ class _CaptureAhead:
         try:
             own = rep.marks.own
             assert own is not None and own.step == self.step
-            self._excluded = _schedule(rt, self.step)
             rep.marks.restore_small(own)  # a plan for another step restores all of it
+            self._excluded = _schedule(rt, self.step)  # by the interval in force at L
             slot = rep.capture(self.step)
             rep.engine.seal(slot)
             self._slot = slot
@@ -246,8 +246,6 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
     if ahead is not None and (ahead.step != step or rep.rank in plan.providers):
         ahead.discard(rep)
         ahead = None
-    if not parts and ahead is None:  # declared by parts, L is a snapshot the schedule took
-        _schedule(rt, step)
     rep.engine.protect(plan.base_step)  # before a capture picks a free slot
     rep.replicas.protect(plan.base_step)
     if ahead is not None:
@@ -261,6 +259,7 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
         own = rep.marks.own
         assert own is not None and own.step == step
         rep.marks.restore_small(own)
+        _schedule(rt, step)
         captured = rep.capture(step)
         rep.engine.seal(captured)
     capture_s = time.perf_counter() - t0
@@ -269,6 +268,8 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
         rank=rep.rank, live_step=step, base_step=plan.base_step,
         providers=plan.providers, chunk_bytes=rep.config.chunk_bytes, captured=captured,
         same_host=rep.config.same_host_handover)
+    if rep.rank in plan.providers and not parts:  # a newcomer, its mark loaded just now
+        _schedule(rt, step)
     drop_gradients(rt)
     t0 = time.perf_counter()
     rep.snapshot(step, urgent=True, captured=captured)
@@ -304,7 +305,12 @@ def drop_gradients(rt: Checkpointless) -> None:
 def _schedule(rt: Checkpointless, step: int) -> bool:
     """Before the live step is captured: a step the schedule snapshots anyway is an
     ordinary snapshot (and a durable save if one is due); any other is never a durable
-    save, so the run writes the checkpoints of one without failures. The step is
+    save, so the run writes the checkpoints of one without failures. Called once the
+    rank's mark of ``step`` is loaded: the interval that decides is the one in force
+    at that step's end, the same on every rank (a survivor's live one may already be
+    the next agreement's, and a replacement's is the probe's until its mark arrives;
+    with ``every_n_steps: auto`` either made ranks decide differently). A step
+    declared by checkpoint parts is a snapshot the schedule took: never called. The step is
     snapshotted and committed inside the recovery (:func:`transfer`), before the
     generation trains: a replacement holds no snapshot of the committed step, so until
     this commits its state would have one copy (its holder's replica), and a second

@@ -28,19 +28,37 @@ from replication.state import TrainingState
 # -- the survivor's capture ahead of the plan ------------------------------------------------
 
 
+class _Interval:
+    """The snapshot interval in force, part of the state as with ``every_n_steps: auto``
+    (``recovery.auto_interval``): a small entry, so each step's mark holds it."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+
+    def state_dict(self) -> dict[str, int]:
+        return {"every": self.every}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.every = int(sd["every"])
+
+
 class _Job:
     """A data-parallel job's state, engine and marks: step 8 snapshotted and committed,
     step 9 trained and marked, then the failed step 10 drew from the RNG and ran its
-    forward and backward."""
+    forward and backward. ``every_at_mark``: the snapshot interval when step 9 was
+    marked; an agreement at step 9's end then made it 1000 (by default it was 1000
+    already: step 9 is not a snapshot the schedule takes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_at_mark: int = 1000) -> None:
         torch.manual_seed(0)
+        self.interval = _Interval(every_at_mark)
+        self.noted: list[int] = []  # before_capture's steps
         self.model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.9)
         self.state = TrainingState()
         for name, obj in (("model", self.model), ("optimizer", self.opt),
-                          ("scheduler", self.sched)):
+                          ("scheduler", self.sched), ("_interval", self.interval)):
             self.state.register(name, obj)
         self.engine = SnapshotEngine(self.state)
         self.book = MarkBook(self.state)
@@ -53,6 +71,7 @@ class _Job:
         self._train()
         self.book.capture(9)
         self.expected = self._snapshot_of_9()
+        self.interval.every = 1000  # the agreement at step 9's end, after its mark
         torch.rand(50)  # the failed step 10's draws: the mark puts the RNG back
         self.model(torch.randn(4, 16)).sum().backward()
         assert self.book.live_step() == 9
@@ -74,10 +93,10 @@ class _Job:
         """The runtime's parts the capture uses (its replicator and durable tier)."""
         rep = types.SimpleNamespace(engine=self.engine, marks=self.book,
                                     capture=self.engine.capture,
-                                    snapshot_due=lambda step: False)
+                                    snapshot_due=lambda step: step % self.interval.every == 0)
         durable = types.SimpleNamespace(exclude=self.excluded.append,
                                         include=self.excluded.remove,
-                                        before_capture=lambda step: None)
+                                        before_capture=self.noted.append)
         return types.SimpleNamespace(replicator=rep, durable=durable)
 
     def slot_steps(self) -> list[int]:
@@ -104,6 +123,19 @@ def test_a_live_plan_gets_the_capture_taken_while_it_was_being_made(job):
     assert slot.step == 9 and dict(slot.digests or {}) == job.expected  # the mark's step 9
     assert job.excluded == [9]  # not a durable save: a run without failures has none
     assert job.engine.slot_for(8).digests == job.committed_digests  # kept
+
+
+def test_the_schedule_decides_by_the_interval_in_force_at_the_live_step(monkeypatch):
+    """Step 9 was a snapshot the schedule takes when it was marked (every 3 steps); the
+    agreement at its end changed the interval. The capture ahead decides after loading
+    the mark, as the replacement does after loading its own: step 9 is an ordinary
+    snapshot on every rank, not excluded from the durable saves on the survivors only."""
+    job = _Job(every_at_mark=3)
+    monkeypatch.setattr(live_rollback, "_replicator", lambda rt: rt.replicator)
+    live_rollback.rendezvous_capturing_ahead(job.runtime(), 9, lambda: _plan(True, 9))
+    live_rollback._AHEAD.pop(job.engine).result()
+    assert job.interval.every == 3  # the mark's
+    assert job.noted == [9] and job.excluded == []
 
 
 @pytest.mark.parametrize("outcome", ["snapshot plan", "another step", "rendezvous failed"])
