@@ -167,7 +167,13 @@ BENCHES = {
                 "(the probe's snapshot is step 32), and with "
                 "`replication.every_n_steps=1` a stand-alone run still replayed K-1 "
                 "(its round had not committed when the kill came; 1.24 s). Quick mode "
-                "the same day: 0.062 / 0.052 / 0.169, step time after 1.00x.",
+                "the same day: 0.062 / 0.052 / 0.169, step time after 1.00x. "
+                "2026-11-29, after a durable-tier fix and two live-rollback "
+                "bookkeeping fixes off the timed path, two more full runs on an idle "
+                "host: 0.104 / 0.110 / 0.253 and 0.109 / 0.097 / 0.271 (the run "
+                "below; restart 6.1 s, step time after 1.00x); quick 0.058 / 0.050 / "
+                "0.155, step time after 1.00x. Over six full runs the data-parallel "
+                "figures lie between 0.091 and 0.114: the target is not reliably met.",
     },
     "bench_persist": {
         "title": "Durable tier, async persistence (the writer on its own)",
