@@ -12,6 +12,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,14 +68,20 @@ def wait_polled(
                 time.sleep(poll.total_seconds())
 
 
-def _drop_group(group: AbortableGloo, pg: object) -> None:
+def _drop_group(handed: list[Any]) -> None:
     """Release an aborted side-channel group (see :meth:`SideChannel.abort`). Its last
     references die here: destroying a gloo group joins its worker threads, which lasts
     until the timeout of an operation its abort did not end, and blocks only this
     thread (measured: no other thread of the process stops meanwhile;
-    ``tests/test_side_channel_teardown.py``)."""
+    ``tests/test_side_channel_teardown.py``).
+
+    ``handed`` is ``[group, pg]``, emptied here: the aborting thread keeps no reference
+    of its own. When it kept them as locals, this thread sometimes ended first, and the
+    destruction then ran as the abort returned, in the caller: about one abort in 130
+    stood still for the channel's timeout (120 s by default) in the runtime's teardown."""
+    group, pg = handed.pop(0), handed.pop(0)
     group.release()
-    del pg
+    del group, pg
 
 
 def _chunks(buf: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
@@ -169,13 +176,15 @@ class SideChannel:
             if self._aborted:
                 return
             self._aborted = True
-            group, pg = self._group, self.pg
+            handed: list[Any] = [self._group, self.pg]
             self.pg = None
-        group.abort()
+        handed[0].abort()
         self._waiters.abandon()
         # Drop the group: an abandoned round's thread may still hold this channel while
-        # it waits for a commit, and the group's threads must not live that long.
-        threading.Thread(target=_drop_group, args=(group, pg), daemon=True,
+        # it waits for a commit, and the group's threads must not live that long. The
+        # references travel in ``handed`` only, which the dropping thread empties: none
+        # may be left in this frame (see _drop_group).
+        threading.Thread(target=_drop_group, args=(handed,), daemon=True,
                          name="checkpointless-side-drop").start()
 
     def _wait(self, works: Sequence, what: str) -> None:

@@ -19,6 +19,7 @@ stays pending until that timeout, whatever the channel does.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -87,6 +88,7 @@ def main() -> None:
         fault, size = rng.choice(FAULTS), rng.choice([64, 1 << 16, 8 << 20])
         if missed:
             fault = "stop"
+        t_trial = time.monotonic()
         ready = ctx.Event()
         proc = ctx.Process(target=peer, args=(store.port, f"t{i}", size, ready, timeout_s),
                            daemon=True)
@@ -94,6 +96,7 @@ def main() -> None:
         ch = SideChannel(store, 0, 2, prefix=f"t{i}", timeout_s=timeout_s)
         if not ready.wait(60):
             raise SystemExit(f"trial {i}: the peer never joined")
+        setup_s = time.monotonic() - t_trial
         released: dict[str, Any] = {}
 
         def run(ch: SideChannel = ch, size: int = size, released: dict = released) -> None:
@@ -110,7 +113,11 @@ def main() -> None:
             time.sleep(rng.uniform(0.0, 0.03))  # the teardown comes a moment later
         gaps.clear()
         aborted = time.monotonic()
+        # An abort that stands still leaves every thread's stack on stderr as evidence.
+        faulthandler.dump_traceback_later(5, exit=False)
         ch.abort()
+        abort_s = time.monotonic() - aborted
+        faulthandler.cancel_dump_traceback_later()
         thread.join(30)
         if thread.is_alive():  # where the round still waits, for the report
             frame = sys._current_frames().get(thread.ident)
@@ -122,7 +129,9 @@ def main() -> None:
         out.append({"trial": i, "fault": fault, "bytes": size,
                     "released_s": round(released.get("at", float("inf")) - aborted, 4),
                     "longest_gil_gap_s": round(longest_gap, 4),
-                    "error": released.get("error"), "stuck_in": released.get("stuck_in")})
+                    "error": released.get("error"), "stuck_in": released.get("stuck_in"),
+                    "setup_s": round(setup_s, 3), "abort_s": round(abort_s, 3),
+                    "trial_s": round(time.monotonic() - t_trial, 3)})
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"trials": out, "threads_left": threading.active_count()}), flush=True)
     # A wait that gloo never ended still sits in a waiter thread until its timeout, and

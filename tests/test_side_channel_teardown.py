@@ -12,8 +12,16 @@ now waits on a waiter thread that the abort releases the caller from
 
 Real processes, real gloo (``tests/side_channel_teardown_worker.py``): many trials, each
 with a fresh channel and peer and the fault at a random moment. Every trial must release
-the round thread within a second of the abort, and no Python thread of the survivor may
-be kept from running for a second.
+the round thread within a second of the abort, the abort itself must return within a
+second, no trial may last over 30 s, and no Python thread of the survivor may be kept
+from running for a second.
+
+The abort's own bound was missing until the stall was traced to its root: the group's
+last references were locals of ``SideChannel.abort``, so when the thread meant to drop
+them finished first, the group was destroyed as ``abort`` returned, in the caller, and
+that waited for the pending operation's timeout. About one trial in 130 took 120 s; the
+trials passed, since only the round thread's release and the GIL were checked.
+``test_the_aborting_thread_never_destroys_the_group`` makes that order happen every time.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch.distributed as dist
 
+from replication import transport
 from tests.recovery_harness import REPO
 
 pytestmark = pytest.mark.timeout(400)
@@ -46,6 +57,9 @@ def test_aborting_a_side_channel_mid_round_never_stalls_the_process():
     assert {t["fault"] for t in trials} == {"kill", "stop", "abort_first"}
     slow = [t for t in trials if t["released_s"] > 1.0]
     assert not slow, f"the round thread waited on after the abort: {slow}"
+    held = [t for t in trials if t["abort_s"] > 1.0 or t["trial_s"] > 30.0]
+    assert not held, (f"the abort, or the trial around it, stood still (seed {seed}): "
+                      f"{held}\n{proc.stderr[-3000:]}")
     stalled = [t for t in trials if t["longest_gil_gap_s"] > 1.0]
     assert not stalled, f"the process stood still (seed {seed}): {stalled}"
     for t in trials:
@@ -69,3 +83,51 @@ def test_an_abort_that_reached_no_socket_still_releases_the_round_at_once():
         assert t["released_s"] < 1.0, t
         assert t["longest_gil_gap_s"] < 1.0, t
         assert "abandoned" in t["error"], t
+
+
+
+class _Backend:
+    """Stands for the channel's gloo backend: records the thread that drops its last
+    reference, where a real one's destruction waits for a pending operation's timeout."""
+
+    def __init__(self, dropped_in: list[str]) -> None:
+        self.dropped_in = dropped_in
+
+    def __del__(self) -> None:
+        self.dropped_in.append(threading.current_thread().name)
+
+
+class _Group:
+    """Stands for :class:`replication.abortable_gloo.AbortableGloo`: holds the backend
+    until released."""
+
+    def __init__(self, backend: _Backend) -> None:
+        self.backend: _Backend | None = backend
+
+    def abort(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        self.backend = None
+
+
+def test_the_aborting_thread_never_destroys_the_group(monkeypatch):
+    """The dropping thread is made to finish before ``abort`` returns (the order that
+    stalled one abort in 130): the backend still dies in that thread, never in the
+    caller's."""
+    ch = transport.SideChannel(dist.HashStore(), 0, 1, prefix="drop", timeout_s=5.0)
+    ch.close()  # the real group goes now; stand-ins take its place
+    dropped_in: list[str] = []
+    backend = _Backend(dropped_in)
+    ch._group, ch.pg = _Group(backend), backend
+    del backend  # the channel and its group hold it, as in a real one
+    start = threading.Thread.start
+
+    def start_and_finish(self: threading.Thread) -> None:
+        start(self)
+        self.join()  # the dropping thread ends before abort() returns
+
+    monkeypatch.setattr(threading.Thread, "start", start_and_finish)
+    ch.abort()
+    monkeypatch.undo()
+    assert dropped_in == ["checkpointless-side-drop"], dropped_in
