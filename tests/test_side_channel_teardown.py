@@ -85,7 +85,6 @@ def test_an_abort_that_reached_no_socket_still_releases_the_round_at_once():
         assert "abandoned" in t["error"], t
 
 
-
 class _Backend:
     """Stands for the channel's gloo backend: records the thread that drops its last
     reference, where a real one's destruction waits for a pending operation's timeout."""
