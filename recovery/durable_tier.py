@@ -120,11 +120,21 @@ class DurableTier:
                 return
         self._persist(replicator, newest.step, final)
 
+    def _unhanded(self, step: int) -> bool:
+        """Whether ``step`` may still be handed to the writer: newer than the last one
+        handed (step 0 is the script's own initial state, or a checkpoint just restored:
+        not worth the helper's start-up time, which would make the first real save
+        skip), and not excluded."""
+        return (self.writer is not None and step > max(self.persisted_step, 0)
+                and step not in self._never)
+
+    def _due(self, step: int) -> bool:
+        assert self.writer is not None
+        return bool(self.writer.should_persist(step, steps_due=self._due_by_steps(step)))
+
     def _unhanded_and_due(self, step: int) -> bool:
         """Whether ``step`` is a save due by the schedule not yet handed to the writer."""
-        if self.writer is None or step <= max(self.persisted_step, 0) or step in self._never:
-            return False
-        return bool(self.writer.should_persist(step, steps_due=self._due_by_steps(step)))
+        return self._unhanded(step) and self._due(step)
 
     def save_pending(self, step: int) -> bool:
         """Whether a save due at ``step`` was not handed to the writer yet: a live
@@ -157,15 +167,10 @@ class DurableTier:
 
     def _persist(self, replicator: Replicator, step: int, final: bool,
                  wait_ready: bool = True) -> None:
-        if self.writer is None:
+        if not self._unhanded(step) or not (final or self._due(step)):
             return
-        # Step 0 is the script's own initial state (or a checkpoint just restored): not
-        # worth the helper's start-up time, which would make the first real save skip.
-        if step <= max(self.persisted_step, 0) or step in self._never:
-            return
+        assert self.writer is not None
         due = self._due_by_steps(step)
-        if not (final or self.writer.should_persist(step, steps_due=due)):
-            return
         slot = replicator.own_snapshot(step)
         assert slot.buffer is not None
         ticket = self.ticket = self.writer.submit(slot.meta(), slot.buffer,
