@@ -58,6 +58,8 @@ from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
 from launcher.worker_procs import (
+    HUNG,
+    LATE,
     SparePool,
     Worker,
     exit_signal,
@@ -381,8 +383,16 @@ class Agent(NodeLossHandling, Endings):
         for w in list(self.workers.values()):
             code = w.proc.poll()
             if code is None:
-                if w.observe(gen, self.rcfg.heartbeat_timeout_s):
+                seen = w.observe(gen, self.rcfg.heartbeat_timeout_s)
+                if seen == HUNG:
                     self._on_hung(w)
+                elif seen == LATE:
+                    silent = time.monotonic() - w.beat_seen_at
+                    self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for "
+                              f"{silent:.1f}s but is still at work (the kernel shows it "
+                              f"using CPU or runnable): a busy host, not a hang")
+                    self._emit(Event.WORKER_LATE, rank=w.rank, pid=w.pid,
+                               silent_s=round(silent, 3))
                 continue
             detected = time.monotonic()
             del self.workers[w.rank]
@@ -415,8 +425,10 @@ class Agent(NodeLossHandling, Endings):
     def _on_hung(self, w: Worker) -> None:
         detected = time.monotonic()
         silent = detected - w.beat_seen_at
-        self._emit(Event.WORKER_HUNG, rank=w.rank, pid=w.pid, silent_s=round(silent, 3))
-        self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for {silent:.1f}s: killing it")
+        self._emit(Event.WORKER_HUNG, rank=w.rank, pid=w.pid, silent_s=round(silent, 3),
+                   because=w.hung_because)
+        self._log(f"rank {w.rank} (pid {w.pid}) sent no heartbeat for {silent:.1f}s "
+                  f"({w.hung_because}): killing it")
         w.kill()
         del self.workers[w.rank]
         if protocol.is_trained(self.store, w.rank):

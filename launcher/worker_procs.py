@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from launcher import worker_output
+from launcher import process_view, worker_output
 from launcher.sigint_hold import sigint_held
 from launcher.zygote import Zygote, ZygoteError
 from recovery import drain
@@ -31,6 +31,12 @@ SPARE_MODULE = "launcher.spare"
 
 #: A worker or spare process: started by ``Popen``, or forked by the zygote.
 Spare = subprocess.Popen | ForkedProcess
+
+#: What :meth:`Worker.observe` finds.
+ALIVE, LATE, HUNG = "alive", "late", "hung"
+#: A worker whose heartbeat is silent but whose process is still at work is declared
+#: hung only after this many heartbeat timeouts (60 s at the default 15 s).
+BUSY_LIMIT = 4.0
 
 
 def python_command(script: str, args: Iterable[str], module: bool) -> list[str]:
@@ -72,17 +78,35 @@ class Worker:
     spare: bool = False
     last_mtime: float = 0.0
     beat_seen_at: float = field(default_factory=time.monotonic)
+    #: Since the last beat: when the kernel last showed the process at work (CPU time
+    #: grown, running, runnable or in the disk), the CPU time it had then, and whether
+    #: the agent has said once that the silence is a busy host's, not a hang.
+    active_at: float = 0.0
+    cpu_seen: float | None = None
+    late_reported: bool = False
+    #: Why the last :meth:`observe` that returned HUNG judged so (for the agent's line).
+    hung_because: str = ""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def observe(self, gen: int, timeout_s: float) -> bool:
-        """Note a sign of life (recording ``gen``); True when the worker is hung.
+    def observe(self, gen: int, timeout_s: float) -> str:
+        """Note a sign of life (recording ``gen``); say whether the worker is hung.
 
         ``gen`` must have been read before this call, so it was current while the
         process was still alive. Armed workers prove life by touching their heartbeat
         file; unarmed ones by merely running.
+
+        A heartbeat silent for ``timeout_s`` is not enough on its own: on a busy host the
+        thread that touches the file can be starved for seconds. The kernel's view
+        (:mod:`launcher.process_view`) decides then. A stopped process is hung; one with
+        no sign of work (no CPU time, not runnable, not in the disk) for ``timeout_s`` is
+        hung; one still at work gets up to :data:`BUSY_LIMIT` times ``timeout_s`` (a
+        native call that holds the GIL that long, or a thread that spins, is hung too).
+
+        Returns :data:`ALIVE`, :data:`LATE` (silent past the timeout but at work: said
+        once per silence, so the agent can log it) or :data:`HUNG`.
         """
         try:
             mtime = os.stat(self.heartbeat).st_mtime
@@ -91,11 +115,39 @@ class Worker:
         now = time.monotonic()
         if mtime != self.last_mtime:
             self.last_mtime, self.beat_seen_at, self.gen_seen = mtime, now, gen
-            return False
+            self.active_at, self.cpu_seen, self.late_reported = now, None, False
+            return ALIVE
         if self.last_mtime == 0.0:  # never beaten: not armed
             self.gen_seen = gen
-            return False
-        return now - self.beat_seen_at > timeout_s
+            return ALIVE
+        silent = now - self.beat_seen_at
+        if silent <= timeout_s / 2:
+            return ALIVE
+        view = process_view.read(self.pid)
+        if view is None:  # no kernel view (gone, or no /proc): the heartbeat decides
+            if silent > timeout_s:
+                self.hung_because = "no heartbeat"
+                return HUNG
+            return ALIVE
+        if view.busy or (self.cpu_seen is not None and view.cpu_s > self.cpu_seen):
+            self.active_at = now
+        self.cpu_seen = view.cpu_s
+        if silent <= timeout_s:
+            return ALIVE
+        if view.stopped:
+            self.hung_because = f"stopped (state {view.state})"
+            return HUNG
+        if now - self.active_at > timeout_s:
+            self.hung_because = "no CPU time, not runnable"
+            return HUNG
+        if silent > BUSY_LIMIT * timeout_s:
+            self.hung_because = (f"at work but silent past {BUSY_LIMIT:g} x "
+                                 f"recovery.heartbeat_timeout_s")
+            return HUNG
+        if not self.late_reported:
+            self.late_reported = True
+            return LATE
+        return ALIVE
 
     def kill(self) -> None:
         """SIGKILL and reap; works on a SIGSTOPped process too."""

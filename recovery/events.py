@@ -25,6 +25,7 @@ class Event(StrEnum):
     WORKER_READY = "worker_ready"
     WORKER_EXIT = "worker_exit"
     WORKER_HUNG = "worker_hung"
+    WORKER_LATE = "worker_late"  # heartbeat silent past the timeout, the kernel shows it at work
     WORKER_DONE = "worker_done"
     FAILURE_DECLARED = "failure_declared"
     REPLACEMENT_ASSIGNED = "replacement_assigned"
