@@ -21,8 +21,10 @@ class RecoveryConfig:
     )
     heartbeat_timeout_s: float = field(
         default=15.0,  # torchrun's keep-alive expiry (5 s x 3 attempts): ADR 0026
-        metadata={"help": "a worker silent this long is declared hung and killed; a node "
-                          "(its agent) silent this long is declared lost", "min": 0.5},
+        metadata={"help": "a worker silent this long is declared hung and killed if the "
+                          "kernel shows it stopped or blocked (one still at work gets four "
+                          "times this); a node (its agent) silent this long is declared "
+                          "lost", "min": 0.5},
     )
     mtbf_s: float | None = field(
         default=None,

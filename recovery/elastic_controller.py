@@ -182,6 +182,18 @@ class Controller:
         with self._lock:
             return bool(self._graveyard)
 
+    def stuck(self) -> str:
+        """What a retired generation still holds: its inner backends whose operations
+        have not ended, for the line that says why a teardown waited."""
+        with self._lock:
+            graves = list(self._graveyard)
+        parts = []
+        for inner, works in graves:
+            running = sum(1 for w in works if not w.is_completed())
+            kinds = ",".join(f"{i.kind}({i.gloo.aborted if i.gloo else '-'})" for i in inner)
+            parts.append(f"{running} of {len(works)} operation(s) on {kinds}")
+        return "; ".join(parts) or "nothing"
+
     def wait_released(self, wait_s: float = 5.0) -> bool:
         """Wait until every retired inner backend is freed; False if one is stuck."""
         deadline = time.monotonic() + wait_s

@@ -69,7 +69,11 @@ def fail_training_groups(reason: str, wait_s: float = 5.0) -> None:
     """Fail every collective in flight on the owned groups and free their backends."""
     ctl = elastic_controller.controller()
     ctl.fail(reason)
-    ctl.wait_released(wait_s)
+    t0 = time.monotonic()
+    if not ctl.wait_released(wait_s):
+        print(f"checkpointless: the failed generation's process groups still run "
+              f"operations {time.monotonic() - t0:.1f}s after their abort ({ctl.stuck()}); "
+              "they are freed when those end", file=sys.stderr, flush=True)
 
 
 def reset_parallel_modules(fresh_process: bool,

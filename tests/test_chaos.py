@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,10 +35,16 @@ from launcher.chaos.schedule import (
     generate,
     parse_mix,
 )
+from launcher.chaos.soak import Options
 from recovery.fault_spec import parse_faults
 
 REPO = Path(__file__).resolve().parents[1]
 TOPO = Topology(nnodes=2, nproc=2, factor=2)
+#: The CI soak's bound on one incident: this many times the run's median incident, plus
+#: two heartbeat timeouts (the soak's own: a hang is detected by one, and a node loss
+#: waits for its link and then starts the spare node's processes).
+_INCIDENT_SPREAD = 10.0
+_SOAK_HEARTBEAT_TIMEOUT_S = Options.heartbeat_timeout_s
 
 
 # --- the schedule -------------------------------------------------------------------------
@@ -349,21 +356,28 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-# the run's own limit is 400 s, with the known stall (docs/guide/limits.md)
-@pytest.mark.timeout(600)
+# The bench's own limit (500 s) and the subprocess's only catch a hang; the judgement is
+# relative to the run's own incidents (see the docstring).
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ci_soak_survives_every_fault(tmp_path, seed):
     """The CI soak: 300 steps and at least 16 faults of every kind (kills, hangs,
     exceptions, node losses, storage outages, failures during recoveries, second
     failures right after one), drawn from a fixed seed. Every fault fires, every one is
     recovered from, and the job ends bit-identical to its failure-free run. The full
-    soak (1000 steps, 50 faults) is ``bench_goodput`` without ``--quick``."""
-    t0 = time.monotonic()
+    soak (1000 steps, 50 faults) is ``bench_goodput`` without ``--quick``.
+
+    Its time is judged against the run itself, not a number of seconds (a loaded host
+    once took 270 s where an idle one takes 120 s, every part slower alike): no
+    incident cost more than :data:`_INCIDENT_SPREAD` times the run's median incident
+    plus two heartbeat timeouts (a hang is detected by one, a kill at once).
+    A recovery that stalls (a teardown waiting out a replication timeout, 120 s) is
+    far outside that; one slowed as much as the rest of the host is not."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_goodput", "--seed", str(seed), "--steps",
          "300", "--min-failures", "16", "--mtbf-s", "1.0", "--dim", "32", "--layers", "1",
-         "--no-baseline", "--time-limit-s", "320", "--out", str(tmp_path / "runs")],
-        cwd=REPO, capture_output=True, text=True, timeout=400,
+         "--no-baseline", "--time-limit-s", "500", "--out", str(tmp_path / "runs")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -377,11 +391,11 @@ def test_ci_soak_survives_every_fault(tmp_path, seed):
     assert result["failures_injected"] >= 15, result
     assert result["incidents"] >= 8 and result["recoveries_in_process"] >= 8, result
     assert result["leftover_processes"] == []
-    # The known teardown stall (docs/guide/operations.md, "Known defect") costs one
-    # replication timeout; it is reported, and the 3-minute bound holds for the rest.
-    stalled = max([e["timings"]["abort_s"] for e in _events(tmp_path / "runs" / "chaos")
-                   if e["event"] == "recovery" and e["timings"]["abort_s"] > 15] or [0.0])
-    took = time.monotonic() - t0
-    assert took - stalled < 180, f"the CI soak took {took:.0f}s ({stalled:.0f}s stalled)"
-    if stalled:
-        print(f"known defect: a teardown stalled {stalled:.0f}s (docs/guide/operations.md)")
+    costs = [i["detect_s"] + i["recover_s"] + i["resume_s"] for i in result["incident_log"]]
+    assert len(costs) == result["incidents"], result["incident_log"]
+    limit = _INCIDENT_SPREAD * statistics.median(costs) + 2 * _SOAK_HEARTBEAT_TIMEOUT_S
+    slow = [(i["gen"], i["faults"], round(c, 2)) for i, c in zip(result["incident_log"], costs)
+            if c > limit]
+    assert not slow, (f"incidents over {limit:.1f}s ({_INCIDENT_SPREAD:g} x the median "
+                      f"{statistics.median(costs):.2f}s + two heartbeat timeouts): {slow}\n"
+                      f"{_evidence(tmp_path / 'runs' / 'chaos')}")

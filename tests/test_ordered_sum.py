@@ -46,11 +46,17 @@ def test_gloos_own_sum_depends_on_the_layout(tmp_path):
 
 
 def test_a_failure_ends_a_pending_ordered_sum_at_once(tmp_path):
+    """The waiting ranks' sum ends when the failure is declared (1 s in), long before the
+    last rank would have issued it (6 s in) and before the group's 30 s timeout. The
+    bound is on the time from each rank's own declaration to the raise, so a loaded
+    host's slow start (three interpreters importing torch) is not counted; the harness's
+    limit only catches a hang."""
     world = 3
     run = run_workers(WORKER, world, {"port": free_port(), "ordered": True, "abort": True,
-                                      "bytes_numel": 0}, tmp_path, timeout_s=20)
-    for rank in range(world - 1):  # the last rank sleeps until killed
+                                      "bytes_numel": 0}, tmp_path, timeout_s=120)
+    for rank in range(world - 1):  # the last rank sleeps, then meets an aborted group
         res = run.results.get(rank)
         assert res is not None, run.describe()
         assert res["error"] and "aborted" in res["error"], res
-        assert res["waited_s"] < 5.0, res
+        assert res["after_declared_s"] is not None and res["after_declared_s"] < 2.0, res
+        assert res["waited_s"] < 5.0 + res["after_declared_s"], res

@@ -3,10 +3,10 @@ gloo on CPU, the durable writer's helper processes writing to a local directory)
 
 * Job A (snapshots every 8 steps, durable saves on auto): every rank logs the same
   ``auto_interval`` events for the persistence tier, a multiple of the snapshot
-  interval; after the first choice every rank persists exactly the steps the interval
-  in force makes due (no skips, no step written by one rank only), and the final one;
-  every checkpoint is complete and verifies; the newest loads into fresh objects with
-  exactly the state the run ended with.
+  interval; after the first choice every rank handles exactly the steps the interval
+  in force makes due, and the final one; the checkpoints listed are those every rank
+  wrote, and each verifies; the newest loads into fresh objects with exactly the state
+  the run ended with.
 * Job B resumes A's run with both tiers on auto: it restores A's newest checkpoint (which
   holds no snapshot interval: A's was fixed), keeps the save interval a multiple of the
   snapshot interval through both tiers' choices, and ends with a verified checkpoint of
@@ -15,13 +15,18 @@ gloo on CPU, the durable writer's helper processes writing to a local directory)
   with its state, and both ranks go on saving the same steps.
 * Bad input for the new keys stops ``checkpointless run`` with one line naming the key.
 
-Steps are padded (``--step-sleep``) so that a save (100-200 ms here) fits well inside
-the shortest interval the policy can take (8 steps): the assertions on "no skips" test
-the policy, not the host's load.
+Steps are padded (``--step-sleep``) so that a save (100-200 ms on an idle host) fits
+well inside the shortest interval the policy can take (8 steps). On a loaded host a save
+can still outlast it (a busy disk holds the fsync), and the writer then skips the next
+due step on that rank, as documented. So "handled" means saved, or skipped because this
+rank's previous save was still being written for as long as the skip says, checked
+against that save's own measured duration (``_saved``): the reference is the run's own
+saves, never an absolute number of seconds, and any other skip or failure fails.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,15 +88,48 @@ def _in_force(changes: dict[int, int], step: int, first: int) -> int:
     return earlier[-1] if earlier else first
 
 
-def _saved(ckpt: Path, after: int) -> dict[int, list[int]]:
-    """rank -> steps after ``after`` it saved ("ok" rows of the history)."""
-    rows = read_history(str(ckpt))
-    bad = [r for r in rows if int(r["step"]) > after and r["status"] != "ok"]
-    # no skipped, failed or aborted save (the message names each one's status and why)
-    assert not bad, [(r["step"], r["rank"], r["status"], r["detail"]) for r in bad]
-    return {rank: sorted(int(r["step"]) for r in rows
-                         if int(r["rank"]) == rank and int(r["step"]) > after)
-            for rank in (0, 1)}
+_KEEP_UP = re.compile(r"still writing step (\d+) \(([\d.]+)s so far\); storage cannot keep up")
+
+
+def _saved(ckpt: Path, after: int, due: set[int] | None) -> dict[int, list[int]]:
+    """rank -> steps after ``after`` it saved ("ok" rows of the history), checked against
+    ``due`` and against the writer's own measurements.
+
+    Each due step is saved by a rank, or skipped by it because its save of an earlier
+    step was still being written (the writer's documented rule: a store that cannot
+    keep up never stalls training nor grows memory). Such a skip must name a step the
+    same rank saved, whose measured duration covers the time the skip reports: the
+    reference is this run's own saves, not a number of seconds. Any other status (a
+    failure, an abort, a skip for another reason) or a step saved that was not due
+    fails, and the message names each row's status and why. At least one due step
+    before the final one must be saved by every rank, so a run that skipped everything
+    cannot pass; the final step is always saved (the writer is flushed for it).
+    ``due=None``: the due steps are those either rank handled, the same on both."""
+    rows = [r for r in read_history(str(ckpt)) if int(r["step"]) > after]
+    ok = {(int(r["rank"]), int(r["step"])): float(r["duration_s"] or 0.0)
+          for r in rows if r["status"] == "ok"}
+    unjustified = []
+    for r in rows:
+        if r["status"] == "ok":
+            continue
+        m = _KEEP_UP.search(r["detail"] or "") if r["status"] == "skipped" else None
+        busy = (int(r["rank"]), int(m.group(1))) if m else None
+        if busy is None or busy not in ok or ok[busy] + 0.05 < float(m.group(2)):
+            unjustified.append((r["step"], r["rank"], r["status"], r["detail"]))
+        elif due is not None and int(r["step"]) not in due:
+            unjustified.append((r["step"], r["rank"], "skipped, not due", r["detail"]))
+    assert not unjustified, unjustified
+    saved = {rank: sorted(s for (rk, s) in ok if rk == rank) for rank in (0, 1)}
+    skipped = {rank: {int(r["step"]) for r in rows if int(r["rank"]) == rank
+                      and r["status"] != "ok"} for rank in (0, 1)}
+    if due is None:
+        due = set(saved[0]) | skipped[0]
+    for rank in (0, 1):
+        assert set(saved[rank]) | skipped[rank] == due, (rank, saved, skipped, sorted(due))
+    final = max(due)
+    assert final in saved[0] and final in saved[1], saved
+    assert set(saved[0]) & set(saved[1]) - {final}, (saved, skipped)
+    return saved
 
 
 def _assert_loads_exactly(ckpt: Path, final: dict[str, Any], steps: int) -> None:
@@ -127,11 +165,11 @@ def test_every_rank_persists_the_agreed_steps_and_they_resume_exactly(job_a):
     # interval in force then; the final step is always saved.
     due = {s for s in range(first, STEPS_A, 8)
            if s % _in_force(changes, s + 8, PROBE) == 0} | {STEPS_A}
-    saved = _saved(ckpt, first - 1)
-    assert saved[0] == saved[1] == sorted(due), (saved, changes)
+    saved = _saved(ckpt, first - 1, due)
+    complete = sorted(set(saved[0]) & set(saved[1]))
 
     ckpts = [c for c in list_checkpoints(str(ckpt)) if c.step >= first]
-    assert [c.step for c in ckpts] == sorted(due)  # complete: every rank wrote each one
+    assert [c.step for c in ckpts] == complete  # listed: every rank wrote each one
     assert all(verify(c).ok for c in ckpts)
     _assert_loads_exactly(ckpt, job.finals()[0], STEPS_A)
 
@@ -158,13 +196,13 @@ def test_a_resumed_job_with_both_tiers_on_auto_keeps_saves_on_snapshots(job_a, t
     for step, n in snaps.items():
         assert _in_force(saves, step + 1, restored) % n == 0, (step, snaps, saves)
 
-    saved = _saved(ckpt, STEPS_A)
-    assert saved[0] == saved[1] and saved[0][-1] == STEPS_B, saved
+    saved = _saved(ckpt, STEPS_A, None)
+    assert saved[0][-1] == saved[1][-1] == STEPS_B, saved
     # Each on a committed snapshot, at the first one at or after a multiple of a save
     # interval in force (a multiple with no snapshot of its own, after the snapshot
     # interval changed, is saved at the next snapshot: recovery.save_schedule).
     gap = max([8, *snaps.values()])
-    for s in saved[0][:-1]:
+    for s in sorted(set(saved[0]) | set(saved[1]))[:-1]:
         assert any(s - s // n * n < gap for n in
                    {_in_force(saves, y, restored) for y in range(s + 1, s + 66)}), s
     newest = latest_checkpoint(str(ckpt))
@@ -199,10 +237,10 @@ def test_a_replacement_persists_the_same_steps_as_the_survivors(tmp_path):
     # commits, handed to the writers at target + 16.
     due = {s for s in range(target + 8, STEPS_A, 8)
            if s % _in_force(changes, s + 8, PROBE) == 0} | {STEPS_A}
-    saved = _saved(ckpt, target)
-    assert saved[0] == saved[1] == sorted(due), (saved, changes, target)
+    saved = _saved(ckpt, target, due)
+    complete = sorted(set(saved[0]) & set(saved[1]))
     ckpts = [c for c in list_checkpoints(str(ckpt)) if c.step > target]
-    assert [c.step for c in ckpts] == sorted(due) and all(verify(c).ok for c in ckpts)
+    assert [c.step for c in ckpts] == complete and all(verify(c).ok for c in ckpts)
 
 
 @pytest.mark.parametrize(("override", "says"), [

@@ -58,14 +58,22 @@ def main() -> None:
         if rank == world - 1:
             time.sleep(6)  # never issues it
         # Each waiting rank declares the failure, as every rank's watchdog does.
-        threading.Timer(1.0, process_groups.fail_training_groups, ("test abort",)).start()
+        declared: list[float] = []
+
+        def declare() -> None:
+            declared.append(time.monotonic())
+            process_groups.fail_training_groups("test abort")
+
+        threading.Timer(1.0, declare).start()
         t0 = time.monotonic()
         try:
             dist.all_reduce(t)
             result["error"] = None
         except Exception as exc:  # the failure, raised in the waiting caller
             result["error"] = f"{type(exc).__name__}: {exc}"
-        result["waited_s"] = time.monotonic() - t0
+        ended = time.monotonic()
+        result["waited_s"] = ended - t0
+        result["after_declared_s"] = ended - declared[0] if declared else None
         write_result(cfg["out"], rank, result)
         return
     exact = []
