@@ -190,8 +190,9 @@ class Controller:
         parts = []
         for inner, works in graves:
             running = sum(1 for w in works if not w.is_completed())
-            kinds = ",".join(f"{i.kind}({i.gloo.aborted if i.gloo else '-'})" for i in inner)
-            parts.append(f"{running} of {len(works)} operation(s) on {kinds}")
+            kinds = ", ".join(i.kind + (" aborted" if i.gloo and i.gloo.aborted else "")
+                              for i in inner)
+            parts.append(f"{running} of {len(works)} operation(s) running on {kinds}")
         return "; ".join(parts) or "nothing"
 
     def wait_released(self, wait_s: float = 5.0) -> bool:
