@@ -325,7 +325,15 @@ def test_a_fence_takes_the_copy_over_from_a_starved_background_thread():
     copier = threading.Thread(target=pending.run, kwargs={"background": True})
     copier.start()
     assert in_first_chunk.wait(10)
-    threading.Timer(0.2, release.set).start()
+
+    def release_once_the_fence_asks() -> None:
+        # Released when the training thread is waiting at the fence, not after a fixed
+        # delay: on a loaded host the step reached the fence after a 0.2 s timer had
+        # already let the copier finish everything.
+        pending._wanted.wait(30)
+        release.set()
+
+    threading.Thread(target=release_once_the_fence_asks, daemon=True).start()
     _step(model, opt, batch)  # the fence: waits for that one piece, then takes over
     copier.join(10)
     assert pending.done.is_set() and not copier.is_alive()

@@ -10,20 +10,32 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from recovery.etcd_store import EtcdStore
 from tests.helpers.mp import write_result
 
+STARTED = psutil.Process().create_time()
+
+
+def _progress(what: str) -> None:
+    """Where this rank is, in its log: a run killed by the harness shows how far it got."""
+    print(f"{time.time() - STARTED:7.2f}s after start: {what}", flush=True)
+
 
 def main(cfg: dict) -> None:
     rank, world = cfg["rank"], cfg["world_size"]
+    _progress("imported")
     store = EtcdStore(cfg["endpoints"], cfg["prefix"], datetime.timedelta(seconds=30))
+    _progress("store connected")
     if cfg["mode"] == "gloo":
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=30))
+        _progress("gloo group ready")
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         dist.barrier()
