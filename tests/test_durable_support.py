@@ -37,15 +37,27 @@ class FaultyFS(LocalFileSystem):
     budget: int | None = None  # bytes that may still be written (None: unlimited)
     fail_opens = 0  # the next N write-opens raise OSError(EIO)
     fail_always = False  # every write-open raises
+    # Only write-opens of paths starting with this prefix count for fail_opens and
+    # fail_always (None: every path). The knobs are class-wide, so without it a writer
+    # that an earlier test left running (still retrying its own save in the background)
+    # would take failures meant for the save under test.
+    fail_under: str | None = None
     delay_per_mb_s = 0.0  # sleep per MB written (a slow store)
+    # Set: targeted write-opens wait for it first (a store that does not answer until
+    # the test lets it), so a test can tell "returned while storage was stuck" without
+    # timing anything.
+    hold: threading.Event | None = None
     kill_on: str | None = None  # SIGKILL self halfway through writing a path containing this
     write_opens = 0
     lock = threading.Lock()
 
     @classmethod
     def reset(cls) -> None:
-        cls.budget, cls.fail_opens, cls.fail_always = None, 0, False
+        cls.budget, cls.fail_opens, cls.fail_always, cls.fail_under = None, 0, False, None
         cls.delay_per_mb_s, cls.kill_on, cls.write_opens = 0.0, None, 0
+        if cls.hold is not None:
+            cls.hold.set()  # a writer still waiting on it must not wait for ever
+        cls.hold = None
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
@@ -57,9 +69,13 @@ class FaultyFS(LocalFileSystem):
     def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
         cls = type(self)
         if "w" in mode or "a" in mode:
+            hold = cls.hold
+            if hold is not None and (cls.fail_under is None or path.startswith(cls.fail_under)):
+                hold.wait(60)
             with cls.lock:
                 cls.write_opens += 1
-                if cls.fail_always or cls.fail_opens > 0:
+                targeted = cls.fail_under is None or path.startswith(cls.fail_under)
+                if targeted and (cls.fail_always or cls.fail_opens > 0):
                     cls.fail_opens = max(0, cls.fail_opens - 1)
                     raise OSError(errno.EIO, f"injected I/O error opening {path}")
             return _FaultyFile(super()._open(path, mode, *args, **kwargs), cls, path)
