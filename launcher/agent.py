@@ -363,7 +363,9 @@ class Agent(NodeLossHandling, Endings):
                 self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
                 self._fence_check = True
                 self._check_peers(gen)
-                self._claim_retired()  # an idle node takes retired ranks back
+                # an idle node takes retired ranks back, unless the training finished
+                if (code := self._claim_retired()) is not None:
+                    return code
             if self._fence_check:
                 self._fence_check = False
                 if (taker := self._taken_over_by()) is not None:
