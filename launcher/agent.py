@@ -363,9 +363,7 @@ class Agent(NodeLossHandling, Endings):
                 self._next_peer_check = time.monotonic() + self.rcfg.heartbeat_interval_s
                 self._fence_check = True
                 self._check_peers(gen)
-                # an idle node takes retired ranks back, unless the training finished
-                if (code := self._claim_retired()) is not None:
-                    return code
+                self._claim_retired()  # an idle node takes retired ranks back
             if self._fence_check:
                 self._fence_check = False
                 if (taker := self._taken_over_by()) is not None:

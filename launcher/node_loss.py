@@ -77,9 +77,6 @@ class NodeLossHandling:
     watch: PeerWatch
     lost_groups: dict[int, LostGroup]
     _fenced_out: bool
-    # After this agent took a retired group back: the first generation of the grown world
-    # and the launch ranks it grew with (see ``_grow_void``); None otherwise.
-    _grown: tuple[int, list[int]] | None = None
 
     # --- other nodes ----------------------------------------------------------------
     def _check_peers(self, gen: int) -> None:
@@ -214,51 +211,29 @@ class NodeLossHandling:
             if membership.owners(self.store, self.args.nnodes) == owners:
                 return new
 
-    def _claim_retired(self) -> int | None:
+    def _claim_retired(self) -> None:
         """An idle agent (a spare node, a node added to the job) takes a retired group
-        back, and the job grows to include it at its next generation (ADR 0035).
-
-        Not once the job's training has finished: a rank's ``trained`` (or ``done``)
-        record says its last step is committed, which is the job's last commit, and a
-        finished rank never joins another generation, so a grow then could never form.
-        An agent that took a group back checks the same after its declaration
-        (:meth:`_grow_void`): the last commit may have landed just before it. Returns
-        the agent's exit status when it leaves the job for that reason, else None.
-        """
-        if self._grown is not None:
-            return self._grow_void()
+        back, and the job grows to include it at its next generation (ADR 0035)."""
         if self.group is not None or self._fenced_out or world.versions(self.store) == 0:
-            return None
+            return
         owners = membership.owners(self.store, self.args.nnodes)
         retired = sorted(g for g, owner in owners.items() if owner == world.RETIRED)
-        if not retired:
-            return None
         _, why_not = world.resizability(self.store)
-        if why_not is not None:
+        if retired and why_not is not None:
             if not getattr(self, "_said_no_grow", False):
                 self._said_no_grow = True
                 self._log(f"not taking retired ranks back: {why_not}")
-            return None
-        slots = list(world.current(self.store, 1 << 62, self.args.world_size).slots)
-        if finished := protocol.finished_ranks(self.store, slots):
-            ranks = [r for g in retired for r in self._ranks(g)]
-            return self._leave_trained(
-                f"not taking retired ranks {ranks} back: the job had already finished its "
-                f"training (ranks {finished} committed their last step)")
+            return
         for g in retired:
             if membership.take_over(self.store, g, world.RETIRED, self.node):
                 self._grow(g)
-                return None
-        return None
+                return
 
     def _grow(self, group: int) -> None:
         self.group = group
         ranks = self._ranks(group)
         new = self._publish_world()
         assert new is not None  # this agent's group is not retired
-        # Every generation after ``after_gen`` trains in the grown world: the first that
-        # every rank of it joins (its plan is published) is where the grow takes effect.
-        self._grown = (new.after_gen + 1, [s for s in new.slots if s not in ranks])
         self._emit(Event.WORLD_GROWN, group=group, ranks=ranks, world=list(new.slots),
                    configured=self.args.world_size, version=new.version)
         self._log(f"taking retired ranks {ranks} back: the job grows to {new.describe()}"
@@ -271,62 +246,6 @@ class NodeLossHandling:
         restart = protocol.recoveries(self.store)
         for local in range(self.args.nproc):
             self._start_rank(group, local, replacement=True, restart_count=restart)
-
-    def _grow_void(self) -> int | None:
-        """After this agent grew the job: did the ranks it grew with finish training
-        without it? Then the grow never takes effect, and this node gives its group back.
-
-        The ranks that were training when the grow was declared may have committed their
-        last step already (between that commit and their exit a rank no longer looks
-        for a new generation): they finish in the old world, and this node's ranks wait
-        in the grow's generation for ranks that have left. A finished rank joins no
-        generation again, so once one has finished, the grow took effect if and only if
-        a generation from the grow's first on was planned (every rank of the grown world
-        joined it; a rank finishing there finishes after that plan): this rule reads the
-        same on every agent and can never change once it holds. Training is over either
-        way, so nothing is lost: the ranks of the old world have the last step.
-        """
-        first_gen, others = self._grown
-        if self.group is None:  # fenced meanwhile: these ranks are no longer ours
-            self._grown = None
-            return None
-        if protocol.planned_since(self.store, first_gen):
-            self._grown = None  # the grow took effect: nothing more to check
-            return None
-        finished = protocol.finished_ranks(self.store, others)
-        if not finished:
-            return None
-        self._grown = None  # decided: the rule cannot change from here on
-        if protocol.planned_since(self.store, first_gen):  # again: read after `finished`
-            return None  # the grow took effect: the job finishes with this node's ranks
-        group, ranks = self.group, self._ranks(self.group)
-        # Stop the ranks first: their exit is no failure of the job.
-        stop_processes([w.proc for w in self.workers.values()], grace_s=0.0)
-        self.workers.clear()
-        self.group = None
-        # Give the group back, and publish the world training finished in: the other
-        # agents wait for the "done" records of the current world's ranks only.
-        if membership.take_over(self.store, group, self.node, world.RETIRED):
-            self._publish_world()
-        return self._leave_trained(
-            f"the job had already finished its training when this node took retired ranks "
-            f"{ranks} back (ranks {finished} committed their last step without them): "
-            "giving them back")
-
-    def _leave_trained(self, why: str) -> int | None:
-        """Leave the job, whose training finished, without having trained in it: exit 0
-        with one line. The store host stays, idle, until the job is done."""
-        if self.args.hosts_store:
-            if not getattr(self, "_said_trained", False):
-                self._said_trained = True
-                self._log(f"{why}; staying idle until the job is done: this node hosts "
-                          "the job's store")
-            return None
-        self._stop_local()
-        self._emit(Event.AGENT_EXIT, signal=None, reason=why)
-        self._mark_finished()
-        self._log(f"{why}; leaving the job (exit 0)")
-        return 0
 
     def _returned(self, node: int, gen: int) -> bool:
         """The lost ``node`` heartbeats again (checked once per node: its other groups

@@ -570,34 +570,6 @@ def is_trained(store: dist.Store, rank: int) -> bool:
     return auth.read(store, trained_key(rank)) is not None
 
 
-def finished_ranks(store: dist.Store, ranks: list[int]) -> list[int]:
-    """Those of ``ranks`` whose last step is committed (``trained``) or that exited with
-    status 0 (``done``). Either record of any one rank means the job's training has
-    finished: the commit it waited for is the job's, and a finished rank joins no
-    generation again."""
-    out = []
-    for r in ranks:
-        if is_trained(store, r) or auth.read(store, done_key(r)) is not None:
-            out.append(r)
-    return out
-
-
-def planned_since(store: dist.Store, first_gen: int) -> bool:
-    """Whether any generation from ``first_gen`` on was planned: every rank of its world
-    joined it (a validly sealed plan, not a superseded marker, is published)."""
-    for gen in range(first_gen, current_generation(store) + 1):
-        payload = auth.read(store, plan_key(gen))
-        if payload is None:
-            continue
-        try:
-            d = json.loads(payload)
-        except ValueError:
-            continue
-        if isinstance(d, dict) and SUPERSEDED not in d:
-            return True
-    return False
-
-
 def record_done(store: dist.Store, rank: int) -> None:
     """Record (sealed) that ``rank`` finished with status 0."""
     key = done_key(rank)

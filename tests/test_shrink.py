@@ -12,24 +12,11 @@ ran the step), every sample once per epoch, and the final weights within a toler
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from launcher import membership
-from launcher.liveness import DoneWatch
-from launcher.node_loss import NodeLossHandling
-from launcher.worker_procs import stop_processes
-from recovery import auth, protocol, world
-from recovery.causes import FailureCause
-from recovery.events import Event
-from replication import signing
-from replication.signing import Signer
-from tests.helpers.mp import free_port, tcp_store
 from tests.launcher_scripts.harness import events, wait_for
 from tests.recovery_harness import assert_succeeded, run_job
 
@@ -417,128 +404,3 @@ def test_lightning_ddp_shrinks_with_the_same_samples(tmp_path, tmp_path_factory)
     rows = [line.split(",") for p in (out / "csv").glob("version_*/metrics.csv")
             for line in p.read_text().splitlines()[1:]]
     assert rows and max(int(r[1]) for r in rows) == finals[0]["step"] - 1, rows[-3:]
-
-
-# --- a node added as the training finishes (the agent's grow rule, on a real store) ----
-class _AddedNode(NodeLossHandling):
-    """Node 2 of a 2 x 2 job whose node 1 was retired: an idle agent, as
-    :class:`launcher.agent.Agent` is when it joins, with its workers ``sleep`` processes."""
-
-    def __init__(self, store) -> None:
-        self.args = SimpleNamespace(nnodes=2, nproc=2, world_size=4, hosts_store=False)
-        self.node, self.store, self.group, self._fenced_out = 2, store, None, False
-        self.workers, self.spares, self.said, self.emitted = {}, None, [], []
-
-    def _ranks(self, group: int) -> list[int]:
-        return [group * 2, group * 2 + 1]
-
-    def _declare(self, observed_gen: int, cause: dict) -> bool:
-        protocol.declare_failure(self.store, observed_gen, cause)
-        return True
-
-    def _start_rank(self, group: int, local: int, **_kw) -> None:
-        proc = subprocess.Popen(["sleep", "60"])
-        self.workers[group * 2 + local] = SimpleNamespace(proc=proc)
-
-    def _stop_local(self) -> None:
-        stop_processes([w.proc for w in self.workers.values()], grace_s=0.0)
-        self.workers.clear()
-
-    def _mark_finished(self) -> None:
-        protocol.mark_agent_finished(self.store, self.node)
-
-    def _emit(self, event: str, **fields) -> None:
-        self.emitted.append(event)
-
-    def _log(self, message: str) -> None:
-        self.said.append(message)
-
-
-@pytest.fixture
-def shrunk_store():
-    """A job store as the agents leave it after node 1's loss: group 1 retired, the world
-    ``[0, 1]`` published after generation 1 and applied by generation 2, rank 0 having
-    said the job can resize."""
-    signing.install(Signer(os.urandom(32)))
-    membership._owners_seen.clear()
-    store = tcp_store(free_port(), is_master=True, timeout_s=30)
-    assert membership.own_group(store, 0, 0) and membership.own_group(store, 1, 1)
-    protocol.declare_failure(store, 0, {"kind": FailureCause.NODE_LOST, "node": 1})
-    assert membership.take_over(store, 1, 1, world.RETIRED)
-    world.publish(store, world.World(4, (0, 1), after_gen=1))
-    protocol.declare_failure(store, 1, {"kind": FailureCause.WORLD_SHRUNK, "node": 1})
-    world.record_resizability(store, None)
-    yield store
-    membership._owners_seen.clear()
-    signing.install(None)
-
-
-def _job_can_end(store) -> bool:
-    """Ranks 0 and 1 exited 0: do the agents of the job see it done?"""
-    for r in (0, 1):
-        protocol.record_done(store, r)
-    return DoneWatch(4, recheck_s=0.0).all_done(store, idle=True)
-
-
-def test_a_node_added_once_training_finished_leaves_without_growing(shrunk_store):
-    """Ranks 0 and 1 committed their last step (their ``trained`` records) before the
-    added node's agent looks: it takes nothing back, declares no generation and leaves,
-    exit 0, with one line saying why; the job ends as it would have without it."""
-    store = shrunk_store
-    for r in (0, 1):
-        protocol.mark_trained(store, r, 48)
-    agent = _AddedNode(store)
-    assert agent._claim_retired() == 0
-    assert membership.owner(store, 1) == world.RETIRED
-    assert protocol.current_generation(store) == 2 and not agent.workers
-    assert Event.WORLD_GROWN not in agent.emitted
-    assert [m for m in agent.said if "already finished its training" in m] == [
-        "not taking retired ranks [2, 3] back: the job had already finished its training "
-        "(ranks [0, 1] committed their last step); leaving the job (exit 0)"], agent.said
-    assert protocol.agent_finished(store, 2)
-    assert _job_can_end(store)
-
-
-def test_a_grow_declared_as_the_training_finishes_is_given_back(shrunk_store):
-    """The grow (generation 3) is declared while ranks 0 and 1 are past their last
-    step's commit: they finish in the old world and never join it. The added node sees
-    them finished with no generation of the grown world planned: it stops its ranks
-    (no failure), retires its group again, publishes the world training finished in,
-    and leaves with exit 0; the other agents then see the job done (before: its ranks
-    waited in generation 3 for ranks that had left, and the job failed)."""
-    store = shrunk_store
-    agent = _AddedNode(store)
-    assert agent._claim_retired() is None
-    assert agent.group == 1 and membership.owner(store, 1) == 2
-    assert protocol.current_generation(store) == 3 and sorted(agent.workers) == [2, 3]
-    procs = [w.proc for w in agent.workers.values()]
-    assert agent._claim_retired() is None  # still training: the grow stands
-    for r in (0, 1):
-        protocol.mark_trained(store, r, 48)
-    assert agent._claim_retired() == 0
-    assert all(p.poll() is not None for p in procs) and not agent.workers
-    assert agent.group is None and membership.owner(store, 1) == world.RETIRED
-    assert world.current(store, 1 << 62, 4).slots == (0, 1)
-    assert any("already finished its training when this node took retired ranks [2, 3] "
-               "back" in m for m in agent.said), agent.said
-    assert protocol.agent_finished(store, 2)
-    assert _job_can_end(store)
-
-
-def test_a_grow_that_took_effect_stands_when_the_training_finishes(shrunk_store):
-    """Generation 3 was planned (every rank of the grown world joined it): ranks 0 and 1
-    finishing is the grown job's end, and the added node's ranks stay."""
-    store = shrunk_store
-    agent = _AddedNode(store)
-    assert agent._claim_retired() is None and protocol.current_generation(store) == 3
-    try:
-        auth.put(store, protocol.plan_key(3), json.dumps(
-            {"gen": 3, "target_step": 30, "providers": {"2": 0, "3": 1}, "planner": 0}))
-        for r in (0, 1):
-            protocol.mark_trained(store, r, 48)
-        assert agent._claim_retired() is None
-        assert agent.group == 1 and membership.owner(store, 1) == 2
-        assert all(w.proc.poll() is None for w in agent.workers.values())
-        assert world.current(store, 1 << 62, 4).slots == (0, 1, 2, 3)
-    finally:
-        agent._stop_local()
