@@ -62,9 +62,7 @@ Failures around the planner (``docs/adr/0024-planner-rendezvous.md``):
   publish through the same compare-and-set, so there is still one plan;
 - a waiter whose deadline passes reads the N records once to name the missing ranks
   (:func:`missing_rank`: it waits on for a process on its way, else
-  :class:`RecoveryImpossible`, unless a newer generation was declared while it looked:
-  a node found silent is often declared lost meanwhile); if nobody is missing after
-  all, it plans itself;
+  :class:`RecoveryImpossible`); if nobody is missing after all, it plans itself;
 - a rank that joins after the plan was published (a join counted past N) finds it at
   its first poll.
 """
@@ -378,20 +376,11 @@ class _Rendezvous:
     def _expired(self) -> bool:
         """The deadline passed: read the records still missing, once. True if none is
         (the caller plans); waits on (False, a new deadline) while a missing rank's
-        process is on its way; else :class:`RecoveryImpossible` naming each one, unless
-        a newer generation was declared meanwhile (:class:`GenerationChanged`)."""
+        process is on its way; else :class:`RecoveryImpossible` naming each one."""
         missing = self._read(self._missing(), each=True)
         if not missing:
             return True
         seen_of = {r: missing_rank(self.store, r) for r in missing}
-        # Watching the agents took seconds (AGENT_BEAT_WAIT_S per missing rank): a node
-        # found silent may have been declared lost meanwhile, and its takeover or the
-        # job's shrink supersedes this generation. Its ranks are not missing then: the
-        # job goes on in the newer generation instead of stopping here.
-        if published_plan(self.store, self.gen) is not None:  # superseded: raises
-            return True  # planned meanwhile (a late rank completed the count): adopt it
-        if (newer := self.current_gen()) != self.gen:
-            raise GenerationChanged(f"generation {self.gen} superseded by {newer}")
         if any(m.on_its_way for m in seen_of.values()):
             # A live process is on its way (a replacement still starting, a survivor
             # still leaving a collective): never give up on it. Its agent kills it if it
