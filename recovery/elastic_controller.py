@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from recovery import nccl_inner
 from recovery.elastic_group import BACKEND_NAME, ElasticProcessGroup
+from recovery.errors import CollectiveAborted
 from recovery.protocol import gen_prefix
 from replication.abortable_gloo import AbortableGloo
+from replication.interruptible_store import StoreWaitInterrupted
 
 
 class _Inner:
@@ -61,6 +63,9 @@ class Controller:
         self._graveyard: list[tuple[list[_Inner], list[Any]]] = []
         self._made_in_gen: dict[str, int] = {}
         self.on_retire_stuck: Callable[[Any], None] | None = None
+        # A newer generation was declared (the runtime's watchdog): a generation's inner
+        # backends stop waiting for a peer that may never connect (make_inner).
+        self.should_abort: Callable[[], bool] = lambda: False
 
     def counters(self) -> dict[str, int]:
         """What the recovery event reports: collectives completed locally before joining,
@@ -112,13 +117,30 @@ class Controller:
         return group
 
     def make_inner(self, group: ElasticProcessGroup, gen: int, device: str,
-                   kind: str, nonce: int = 0) -> _Inner:
+                   kind: str, nonce: int = 0, epoch: int | None = None) -> _Inner:
+        """Connect ``group``'s inner backend for ``gen`` (a collective over its ranks).
+
+        A gloo backend stops waiting for its peers once a failure is declared (``fail``
+        since ``epoch``, or ``should_abort``), with :class:`CollectiveAborted`: a peer
+        that joined the generation and then died never connects, and waiting out the
+        group's timeout held the whole job for it (the 60 s incidents of the CI soak)."""
         assert self.store is not None, "Controller.configure() first"
         store = dist.PrefixStore(f"{gen_prefix(gen)}/pg/{group.bind_key}.{nonce}/{device}",
                                  self.store)
         timeout_s = group.timeout_s or self.timeout_s
+        epoch = self.epoch if epoch is None else epoch
+
+        def interrupted() -> str | None:
+            if self.epoch != epoch or self.should_abort():
+                return self.failure or f"a generation after {gen} was declared"
+            return None
+
         if kind == "gloo":
-            gloo = AbortableGloo.create(store, group._rank, group._size, timeout_s)
+            try:
+                gloo = AbortableGloo.create(store, group._rank, group._size, timeout_s,
+                                            interrupted=interrupted)
+            except StoreWaitInterrupted as exc:
+                raise CollectiveAborted(f"checkpointless: {exc}") from None
             return _Inner(kind, gloo.backend, gloo)
         if kind == "nccl":  # pragma: no cover - needs GPUs (the GPU check runs one rank)
             backend = nccl_inner.make_backend(store, group._rank, group._size, timeout_s,

@@ -162,11 +162,16 @@ class ElasticProcessGroup(dist.ProcessGroup):
             epoch = self._controller.epoch
         self._controller.retire(list(old.values()), [])
         inner: dict[str, _Inner] = {}
-        for device, kind in self._controller.inner_backends.items():
-            inner[device] = self._controller.make_inner(self, gen, device, kind, nonce)
-            if self._controller.ordered_allreduce and self._size > 2 and kind == "gloo":
-                inner[device + LANE_SUFFIX] = self._controller.make_inner(
-                    self, gen, device + LANE_SUFFIX, kind, nonce)
+        try:
+            for device, kind in self._controller.inner_backends.items():
+                inner[device] = self._controller.make_inner(self, gen, device, kind, nonce,
+                                                            epoch)
+                if self._controller.ordered_allreduce and self._size > 2 and kind == "gloo":
+                    inner[device + LANE_SUFFIX] = self._controller.make_inner(
+                        self, gen, device + LANE_SUFFIX, kind, nonce, epoch)
+        except BaseException:  # a failure declared meanwhile: the ones made go too
+            self._controller.retire(list(inner.values()), [])
+            raise
         with self._lock:
             if self._controller.epoch != epoch:  # a failure was declared meanwhile
                 stale = list(inner.values())

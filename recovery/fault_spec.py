@@ -4,8 +4,9 @@ Tests, benchmarks and users name faults as ``rank:step:phase[:kind]`` (several j
 by ``;``) in ``recovery.fault`` or the ``CHECKPOINTLESS_RECOVERY_FAULT`` variable.
 Phases: ``step`` (start of the step), ``forward``, ``backward``, ``optimizer``,
 ``snapshot`` and ``replication`` (the first snapshot at or after its step: which steps
-are snapshotted is the interval's choice) and ``recovery`` (the first recovery this rank
-enters from one step before its step on). Kinds: ``sigkill``
+are snapshotted is the interval's choice), ``recovery`` (the first recovery this rank
+enters from one step before its step on) and ``setup`` (in that recovery, once the
+generation's plan is agreed and before its process groups connect). Kinds: ``sigkill``
 (default), ``sigstop`` (a hang), ``exception`` and ``node`` (the rank's whole node:
 its agent and every process in the agent's process group).
 """
@@ -19,7 +20,8 @@ from replication.errors import CheckpointlessError
 #: Read by a worker started without ``checkpointless run`` (no recipe reaches it); under
 #: the launcher the recipe layer reads it like any ``CHECKPOINTLESS_<SECTION>_<KEY>``.
 FAULT_ENV = "CHECKPOINTLESS_RECOVERY_FAULT"
-PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery")
+PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery",
+          "setup")
 KINDS = ("sigkill", "sigstop", "exception", "node")
 
 

@@ -61,8 +61,9 @@ class FaultInjector:
         """A ``recovery`` fault fires in the first recovery this rank enters from one step
         before its step on: a survivor may notice a failure at step S while it still
         finishes step S-1's round, or only once it has started S+1, so an exact match
-        would leave the fault to timing (it did: 1 run in 5 missed it under load)."""
-        if spec.phase == "recovery":
+        would leave the fault to timing (it did: 1 run in 5 missed it under load).
+        A ``setup`` fault is due in the same recovery, after its rendezvous."""
+        if spec.phase in ("recovery", "setup"):
             return step >= spec.step - 1
         if spec.phase in SNAPSHOT_PHASES:
             return step >= spec.step

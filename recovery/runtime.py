@@ -60,6 +60,7 @@ from recovery.recipe import CheckpointlessConfig, worker_config
 from recovery.rendezvous import FRESH_START, GenerationChanged, RecoveryPlan, agree
 from recovery.watchdog import Watchdog
 from replication.commit import UntrustedCommit, committed_step
+from replication.interruptible_store import StoreWaitInterrupted
 from replication.memory import MemoryBudgetError
 from replication.replicator import Replicator
 from replication.state import TrainingState
@@ -134,6 +135,7 @@ class Checkpointless:
                 f"generation {g} was declared (a failure elsewhere in the job)"),
             blocking=self.env.launched,
         )
+        elastic_controller.controller().should_abort = lambda: self.watchdog.failure_pending
         self.gen = protocol.current_generation(self.store)
         self._created_group = False  # True: the runtime made the default group, not the script
         self.replicator: Replicator | None = None
@@ -407,7 +409,6 @@ class Checkpointless:
             # No generation can fix it: a replacement would need the same memory.
             raise RecoveryImpossible(str(exc)) from None
         self.replicator = replicator
-        self.replicator.should_abort = lambda: self.watchdog.failure_pending
         self._declare_data_parallel()
         self.gen = self.watchdog.generation = gen
         self._aborted_mark = CollectiveAborted.raised  # this generation's start
@@ -423,6 +424,7 @@ class Checkpointless:
             fault_hook=self.faults.at if self.faults else None,
             durable_staging=self.durable.staging, durable_zero_copy=self.durable.zero_copy,
             twins=getattr(old, "twins", ()),  # after a shrink (recovery.world_resize)
+            should_abort=lambda: self.watchdog.failure_pending,
         )
 
     def _teardown_generation(self) -> None:
@@ -477,6 +479,7 @@ class Checkpointless:
                 self.faults.at("recovery", self.step)
                 # One rank plans, every rank adopts its plan (or its impossible reason).
                 (plan, impossible), t_rdzv = self._rendezvous(gen, newcomer), time.time()
+                self.faults.at("setup", self.step)  # agreed; its groups not connected yet
                 self._setup_generation(gen)
                 t_pg = time.time()
                 if impossible is None and plan.target_step == FRESH_START:
@@ -495,6 +498,12 @@ class Checkpointless:
             except MemoryBudgetError as exc:  # the state grew past the budget: no retry helps
                 self._fatal(str(exc))
             except Exception as exc:  # a failure during the recovery itself
+                if isinstance(exc, (CollectiveAborted, StoreWaitInterrupted)) \
+                        and self.watchdog.failure_pending:
+                    # A newer generation ended this one's set-up (a peer that joined it
+                    # died before connecting): its declarer counted that failure.
+                    self._teardown_generation()
+                    continue
                 self.log.emit(Event.RECOVERY_INTERRUPTED, gen=gen, error=str(exc)[:300])
                 protocol.declare_failure(self.store, gen, {
                     "kind": FailureCause.FAILURE_DURING_RECOVERY, "rank": self.rank,

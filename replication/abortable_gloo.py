@@ -23,9 +23,12 @@ import datetime
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+from replication.interruptible_store import InterruptibleStore
 
 _create_lock = threading.Lock()
 _FD_DIR = "/proc/self/fd"
@@ -81,11 +84,18 @@ class AbortableGloo:
     @classmethod
     def create(
         cls, store: dist.Store, rank: int, size: int, timeout_s: float,
-        hostname: str | None = None,
+        hostname: str | None = None, interrupted: Callable[[], str | None] | None = None,
     ) -> AbortableGloo:
         """Connect a gloo group of ``size`` ranks over ``store`` (a collective call);
-        ``hostname`` pins the interface it listens on (``--bind``)."""
+        ``hostname`` pins the interface it listens on (``--bind``).
+
+        ``interrupted()``: a reason to stop waiting for a peer that may never come (a
+        newer generation was declared); the connection then ends at once with
+        :class:`~replication.interruptible_store.StoreWaitInterrupted` instead of
+        waiting out ``timeout_s`` (:mod:`replication.interruptible_store`)."""
         timeout = datetime.timedelta(seconds=timeout_s)
+        if interrupted is not None:
+            store = InterruptibleStore(store, interrupted, timeout_s)
         with _create_lock:
             before = _socket_fds()
             if hostname:

@@ -150,20 +150,21 @@ class Replicator:
         durable_zero_copy: bool = False,
         twins: Sequence[int] = (),
         tier_device: torch.device | None = None,
+        should_abort: Callable[[], bool] | None = None,
     ) -> None:
-        """``previous``: the previous generation's replicator, whose snapshots and
-        replicas this one carries over (its side channel is not reused);
-        ``fault_hook(phase, step)`` is called at the ``snapshot`` and ``replication``
-        phases so tests can inject failures there. ``durable_staging``: a durable writer
-        keeps a staging copy of one snapshot, counted in the budget.
-        ``durable_zero_copy``: a durable writer persists straight from the snapshot
-        slots, so a new engine allocates three of them in shared memory (one may be held
-        by the writer while the other two alternate), and no staging copy is counted.
+        """``previous``: the previous generation's replicator, whose snapshots and replicas
+        this one carries over (not its side channel); ``fault_hook(phase, step)`` runs at
+        the ``snapshot`` and ``replication`` phases, for tests. ``durable_staging``: a
+        durable writer keeps a staging copy of one snapshot, counted in the budget.
+        ``durable_zero_copy``: a durable writer persists straight from the snapshot slots:
+        a new engine allocates three in shared memory (one held by the writer while two
+        alternate), and no staging copy is counted.
         ``twins``: ranks whose state is this rank's own (data-parallel ranks, after the
-        job's world changed size): it serves its own snapshots as theirs until a step
-        commits (then they have replicas), across generations until then.
-        ``tier_device``: the device of the device tier (``replication.device`` auto or
-        cuda), instead of the one the state's tensors live on; a CPU test passes the CPU."""
+        world changed size): it serves its snapshots as theirs, across generations, until
+        a step commits (then they have replicas).
+        ``tier_device``: the device tier's device (``replication.device`` auto or cuda),
+        not the state's; a CPU test passes the CPU. ``should_abort()``: a failure was
+        declared (it ends a round's wait, and the side channel's wait for a peer)."""
         self.config = config or ReplicationConfig()
         if tier_device is None:
             check_setting(self.config.device)  # cuda without CUDA: one line, at start
@@ -193,11 +194,11 @@ class Replicator:
         self.twins = frozenset(twins)
         self._fault_hook = fault_hook
         self._durable_staging = durable_staging and not durable_zero_copy
-        self.should_abort: Callable[[], bool] | None = None
-        self.channel = SideChannel(
-            store, rank, world_size, prefix=f"{prefix}/side",
-            timeout_s=self.config.timeout_s, hostname=hostname,
-        )
+        self.should_abort = should_abort
+        declared = should_abort and (lambda: "a failure was declared" if should_abort() else None)
+        self.channel = SideChannel(store, rank, world_size, prefix=f"{prefix}/side",
+                                   timeout_s=self.config.timeout_s, hostname=hostname,
+                                   interrupted=declared)
         self._store = store
         self._committed_key = committed_key or COMMITTED_KEY
         # The commit agreement (ADR 0022): a tree over the side channel, or a store count.

@@ -101,7 +101,10 @@ class SideChannel:
         prefix: str = "checkpointless/side",
         timeout_s: float = 120.0,
         hostname: str | None = None,
+        interrupted: Callable[[], str | None] | None = None,
     ) -> None:
+        """``interrupted``: see :meth:`AbortableGloo.create` (a peer that joined the
+        generation and then died never connects; a newer generation ends the wait)."""
         self.rank = rank
         self.world_size = world_size
         self._aborted = False
@@ -109,7 +112,7 @@ class SideChannel:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._waiters = Waiters("checkpointless-side-wait", self.timeout)
         self._group = AbortableGloo.create(dist.PrefixStore(prefix, store), rank, world_size,
-                                           timeout_s, hostname)
+                                           timeout_s, hostname, interrupted)
         self.pg = self._group.backend
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:

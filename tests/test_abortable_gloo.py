@@ -114,3 +114,60 @@ def test_abort_after_the_peer_was_killed_never_raises_and_frees_threads():
     procs[1].wait(timeout=10)
     assert survivor["tasks_with_group"] > survivor["tasks_base"], survivor  # gloo's threads
     assert survivor["tasks_after"] <= survivor["tasks_base"], survivor  # ... are gone
+
+
+CONNECT = textwrap.dedent("""
+    import datetime, json, sys, time
+    import torch, torch.distributed as dist
+    from replication.abortable_gloo import AbortableGloo
+    from replication.interruptible_store import StoreWaitInterrupted
+
+    rank, port, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, None, False,
+                          timeout=datetime.timedelta(seconds=30))
+    declared = lambda: "generation 2 was declared" if store.check(["declared"]) else None
+    store.set(f"creating/{rank}", "1")
+    out = {}
+    try:
+        g = AbortableGloo.create(dist.PrefixStore("g", store), rank, size, timeout_s=120,
+                                 interrupted=declared)
+        t = torch.ones(3)
+        g.backend.allreduce([t]).wait()
+        out["sum"] = t.tolist()
+    except StoreWaitInterrupted as exc:
+        out.update(error=str(exc), raised_at=time.time())
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _connect(rank: int, port: int, size: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CONNECT, str(rank), str(port), str(size)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def test_a_connection_through_the_interruptible_store_works_as_before():
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60))
+    results = [_result(p) for p in [_connect(r, port, 3) for r in range(3)]]
+    assert [r.get("sum") for r in results] == [[3.0, 3.0, 3.0]] * 3, results
+    del store
+
+
+def test_a_peer_that_never_connects_is_given_up_when_a_failure_is_declared():
+    """Ranks 0 and 1 connect a 3-rank group; rank 2 never comes (it joined the
+    generation and was stopped). Declaring a failure ends their wait at once, where gloo
+    alone waits out the group's 120 s timeout (the CI soak's 60 s incidents)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60))
+    procs = [_connect(r, port, 3) for r in range(2)]
+    store.wait(["creating/0", "creating/1"])
+    time.sleep(0.5)  # both are waiting for rank 2 by now
+    declared_at = time.time()
+    store.set("declared", "1")
+    results = [_result(p) for p in procs]
+    for r in results:
+        assert "generation 2 was declared" in r.get("error", ""), results
+        # A poll's pause is 20 ms at most; the group's timeout is 120 s.
+        assert r["raised_at"] - declared_at < 12.0, (r["raised_at"] - declared_at, results)
+    del store

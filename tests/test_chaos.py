@@ -351,6 +351,37 @@ def _evidence(run_dir: Path, n_events: int = 40, n_lines: int = 60) -> str:
     return "\n".join(out)
 
 
+def _slow_incident_evidence(run_dir: Path, slow: list[tuple[int, list[str], float]]) -> str:
+    """Every event but steps from each slow incident's first fault to its generation's
+    first step, and the agents' lines about rendezvous and liveness meanwhile: what a
+    stall leaves to read in CI (the last events of the run show only its end)."""
+    try:
+        events = _events(run_dir)
+    except OSError as exc:
+        return f"no events: {exc}"
+    t0 = events[0]["ts"] if events else 0.0
+    out = []
+    for gen, faults, _cost in slow:
+        fired = [e["ts"] for e in events
+                 if e["event"] == "fault_injected" and e.get("fault") in faults]
+        start = min(fired, default=t0) - 1.0
+        ends = [e["ts"] for e in events if e["event"] == "step" and e.get("gen") == gen]
+        end = min(ends, default=events[-1]["ts"]) + 0.5
+        out.append(f"--- generation {gen}: events from {start - t0:.2f} to {end - t0:.2f} ---")
+        for e in events:
+            if start <= e["ts"] <= end and e["event"] != "step":
+                fields = " ".join(f"{k}={v}" for k, v in e.items()
+                                  if k not in {"ts", "event", "transfer_parts"})
+                out.append(f"{e['ts'] - t0:8.2f} {e['event']} {fields}"[:400])
+    keys = ("waiting", "generation", "hung", "lost", "killed", "handed", "stuck", "still")
+    for log in sorted((run_dir / "logs").glob("agent*.err")):
+        lines = [line[:300] for line in log.read_text(errors="replace").splitlines()
+                 if any(k in line for k in keys)]
+        out.append(f"--- {log.name}: lines about recoveries ({len(lines)}) ---")
+        out.extend(lines[-80:])
+    return "\n".join(out)
+
+
 def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").open()]
 
@@ -398,4 +429,4 @@ def test_ci_soak_survives_every_fault(tmp_path, seed):
             if c > limit]
     assert not slow, (f"incidents over {limit:.1f}s ({_INCIDENT_SPREAD:g} x the median "
                       f"{statistics.median(costs):.2f}s + two heartbeat timeouts): {slow}\n"
-                      f"{_evidence(tmp_path / 'runs' / 'chaos')}")
+                      f"{_slow_incident_evidence(tmp_path / 'runs' / 'chaos', slow)}")
