@@ -124,12 +124,17 @@ class _Seen:
 def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(name.encode() + _bytes(t))
     for pid, st in sorted(opt.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
-            h.update(f"{pid}/{k}".encode() + (v.contiguous().view(torch.uint8).numpy().tobytes()
-                                              if isinstance(v, torch.Tensor) else repr(v).encode()))
+            h.update(f"{pid}/{k}".encode() + (_bytes(v) if isinstance(v, torch.Tensor)
+                                              else repr(v).encode()))
     return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes (a 0-d one too, such as Adam's ``step``)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 if __name__ == "__main__":

@@ -68,10 +68,11 @@ from launcher.worker_procs import (
     stop_processes,
 )
 from launcher.zygote import Zygote
-from recovery import auth, protocol
+from recovery import auth, protocol, world
 from recovery.causes import FailureCause, describe
 from recovery.events import Event
 from recovery.recipe import CheckpointlessConfig, config_to_json
+from recovery.rendezvous import finished_while_training
 from replication import contract
 from replication.errors import CheckpointlessError
 
@@ -406,6 +407,7 @@ class Agent(NodeLossHandling, Endings):
             self._publish_process(w.rank, w.pid, "exited", exitcode=code, signal=sig)
             if code == 0:
                 self._record_done(w.rank)
+                self._stop_if_left_behind(w)
             elif protocol.is_trained(self.store, w.rank):
                 # Its last step was committed everywhere; a crash on the way out loses
                 # nothing and must not start a recovery the finished ranks cannot join.
@@ -509,6 +511,25 @@ class Agent(NodeLossHandling, Endings):
 
     def _record_done(self, rank: int) -> None:
         protocol.record_done(self.store, rank)
+
+    def _stop_if_left_behind(self, w: Worker) -> None:
+        """``w`` finished training while the job is in a generation it never joined:
+        the other ranks recover without it and would wait for it until their rendezvous
+        timed out. Stop the job at once, with the line that says why (read after the
+        "done" record, so a generation declared before it is seen here and one declared
+        after it sees the record: ``recovery.rendezvous.finished_while_training``)."""
+        try:
+            if protocol.fatal(self.store) is not None:
+                return
+            belongs = protocol.generation_of_process(self.store, w.rank, w.pid, w.gen_seen)
+            gen = protocol.current_generation(self.store)
+            if gen <= belongs:
+                return
+            slots = world.current(self.store, gen, self.args.world_size).slots
+            if (why := finished_while_training(self.store, gen, slots)) is not None:
+                protocol.set_fatal(self.store, why)
+        except Exception:  # the store may be going away with the job: nothing to stop
+            pass
 
     # --- small helpers --------------------------------------------------------------
     def _ranks(self, group: int) -> list[int]:

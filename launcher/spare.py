@@ -374,6 +374,18 @@ USAGE_EXIT = 2
 
 
 def run_assigned(assignment: dict) -> None:
+    """:func:`_run_assigned`, noting the status of a ``SystemExit`` that ends it for the
+    runtime's exit guard (:func:`recovery.process_groups.note_exit`)."""
+    try:
+        _run_assigned(assignment)
+    except SystemExit as exc:
+        from recovery import process_groups
+
+        process_groups.note_exit(exc.code)
+        raise
+
+
+def _run_assigned(assignment: dict) -> None:
     """Run the rank's script as ``python [-m] SCRIPT ARGS`` would. An exception that
     escapes it before this process completed a training step (a bad import, a typo, a
     missing file) stops the whole job with one line (:mod:`recovery.user_errors`): a
@@ -410,7 +422,9 @@ def run_assigned(assignment: dict) -> None:
         if isinstance(exc, RecoveryImpossible):
             # The runtime's verdict, recorded as the job's fatal reason: the agents print
             # it in one line, and a repeated bug's traceback was printed once already.
-            # Python's report of it escaping the script would repeat both.
+            # Python's report of it escaping the script would repeat both. One raised
+            # where the runtime did not record it (a tracked loader's) is recorded here.
+            user_errors.record_verdict(exc)
             raise SystemExit(contract.EXIT_FAILED) from None
         # A failure elsewhere (a peer killed while this rank waited in DDP's set-up
         # broadcast) is the job's failure to recover from, not the script's.

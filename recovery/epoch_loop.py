@@ -56,14 +56,23 @@ class EpochLoop:
         self.epoch = 0
         self._deferred: int | None = None  # a step whose end waits for the next pass
         self.active = False  # inside cl.epochs(...)
+        # cl.steps(n): the epoch of the counted pass and the step before its first one
+        # (saved with the state, so a replacement resumes the pass at the right index).
+        self._pass: tuple[int, int] | None = None
+        self._counted: int | None = None  # n, while a cl.steps(n) pass runs
         if position is not None:
             position.hooks = self
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch}
+        state = {"epoch": self.epoch}
+        if self._pass is not None:
+            state["pass_epoch"], state["pass_start"] = self._pass
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch = int(state.get("epoch", 0))
+        self._pass = ((int(state["pass_epoch"]), int(state["pass_start"]))
+                      if "pass_start" in state else None)
         self._deferred = None  # a restored state is a committed one: nothing pending
 
     # -- the epochs ------------------------------------------------------------------
@@ -122,6 +131,48 @@ class EpochLoop:
         elif final and self.rt.step > 0 and not self.rt.replicator.snapshot_due(self.rt.step):
             self.rt.commit_initial(self.rt.step)  # the last step, which its cadence skipped
 
+    # -- a pass the loop counts ---------------------------------------------------------
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """``for i in cl.steps(n):`` the index of each step in a pass of ``n`` steps,
+        ``0 .. n-1``, counted from the runtime's step rather than by the loop: after a
+        recovery a survivor goes on at the index after the restored step, as a
+        replacement does (the pass's first step is saved with the state). A loop's own
+        ``range(n)`` goes on from where it was, and ranks then disagree on the pass.
+
+        Inside ``cl.epochs`` it is one pass of the epoch, ended like a loader's pass:
+        the last step's end is deferred to the next pass, and committed before it
+        opens. Alone, it is the whole job: its last step is committed, and the runtime
+        finishes, as ``cl.epochs`` does."""
+        if num_steps < 0:
+            raise ValueError(f"cl.steps: num_steps must be >= 0, got {num_steps}")
+        if self._counted is not None:
+            raise RuntimeError("cl.steps: a cl.steps() pass is already running (nested?)")
+        if self.position is not None and self.active:
+            self.position.begin_ahead()  # the boundary's snapshot holds the loader's pass
+        self.before_pass()
+        if self._pass is None or self._pass[0] != self.epoch:
+            self._pass = (self.epoch, self.rt.step)  # a new pass (else: resumed mid-pass)
+        start = self._pass[1]
+        self._counted = num_steps
+        try:
+            while True:
+                while (index := self.rt.step - start) < num_steps:
+                    yield index
+                if self.active or self._commit_final():
+                    break
+        finally:
+            self._counted = None
+        self._pass = None  # done: the deferred snapshot (if any) holds no open pass
+        if not self.active:
+            self.rt.finish()
+
+    def _at_pass_end(self, step: int) -> bool:
+        """``step`` (just run) ends its pass: a counted pass's ``n``-th, or the tracked
+        loader's last batch."""
+        if self._counted is not None and self._pass is not None:
+            return step - self._pass[1] >= self._counted
+        return self.position is not None and self.position.at_pass_end()
+
     # -- one step --------------------------------------------------------------------
     @contextmanager
     def step(self) -> Iterator[int]:
@@ -138,7 +189,7 @@ class EpochLoop:
         except Exception as exc:
             pending = exc
         if pending is None:
-            if self.position is not None and self.active and self.position.at_pass_end():
+            if self.active and self._at_pass_end(step):
                 self._deferred = step  # ended at the next pass (see before_pass)
                 return
             try:

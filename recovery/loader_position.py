@@ -121,6 +121,7 @@ class LoaderPosition:
         self.creation_rng: torch.Tensor | None = None
         self.generation = 0  # bumped by every restore: older iterators re-open
         self._resume: dict[str, Any] | None = None
+        self._begun = False  # the next pass was begun ahead of its first next()
         self.hosted: hosted_loader.Hosting | None = None  # see host()
 
     def host(self, ranks: tuple[int, ...], configured: int) -> None:
@@ -164,6 +165,7 @@ class LoaderPosition:
         self.yielded = yielded
         self.creation_rng = state.get("creation_rng")
         self._resume = {"yielded": yielded, "creation_rng": self.creation_rng}
+        self._begun = False
         self.generation += 1
 
     # -- passes ----------------------------------------------------------------------
@@ -175,10 +177,23 @@ class LoaderPosition:
         new iterator continues the restored pass instead."""
         if self._resume is not None:
             return self.passes
+        if self._begun:  # begin_ahead() did it, the boundary was snapshotted then
+            self._begun = False
+            return self.passes
         self.passes += 1
         self.yielded, self.creation_rng, self._resume = 0, None, None
         self.hooks.before_pass()
         return self.passes
+
+    def begin_ahead(self) -> None:
+        """The loop opens its next pass of steps (``cl.steps``) while this loader's pass
+        has handed out its last batch: the next pass over the loader begins now, before
+        its first ``next()``, so the boundary's snapshot holds its start (as a pass that
+        ``begin_pass`` opened does), not the end of the pass before. A replacement that
+        restores it then opens the new pass instead of the exhausted one."""
+        if self._resume is None and not self._begun and self.at_pass_end():
+            self.passes += 1
+            self.yielded, self.creation_rng, self._begun = 0, None, True
 
     def at_pass_end(self) -> bool:
         """Whether the current pass has handed out its last batch (False when the loader

@@ -205,6 +205,7 @@ def _reap_loop() -> None:
 
 
 _unhandled = False
+_exit_status: int | None = None  # a SystemExit's status, noted on its way out (note_exit)
 
 
 def install_exit_guard() -> None:
@@ -212,9 +213,12 @@ def install_exit_guard() -> None:
 
     At interpreter exit, groups still held from a failed generation would be destroyed
     and wait out their pending operations (up to the collective timeout). If any are
-    held, the guard flushes output and ends the process at once, with status 1 after an
-    unhandled exception and 0 otherwise (``sys.exit(n)`` codes after training are not
-    seen here; see docs/guide/limits.md).
+    held, the guard flushes output and ends the process at once, with the status of the
+    ``SystemExit`` that ended the script (:func:`note_exit`, called where the launcher
+    runs it), else 1 after an unhandled exception and 0 otherwise. An ``atexit`` hook
+    cannot see that status itself: the guard once turned the runtime's own exit for a
+    stopped job (``SystemExit(EXIT_FAILED)``) into a 0, and the agent then counted the
+    rank as finished.
     """
     previous = sys.excepthook
 
@@ -227,8 +231,15 @@ def install_exit_guard() -> None:
     atexit.register(_exit_now_if_holding)
 
 
+def note_exit(code: object) -> None:
+    """The script ends with ``SystemExit(code)``: the status the exit guard uses
+    (``None`` is 0, a message is 1, as Python has it)."""
+    global _exit_status
+    _exit_status = 0 if code is None else code if isinstance(code, int) else 1
+
+
 def _exit_now_if_holding() -> None:
     if holding():
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1 if _unhandled else 0)
+        os._exit(_exit_status if _exit_status is not None else 1 if _unhandled else 0)

@@ -74,7 +74,7 @@ import datetime
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,6 +397,31 @@ class _Rendezvous:
         raise RecoveryImpossible(
             f"generation {self.gen}: ranks {missing} did not rejoin within {waited:.0f}s: "
             + "; ".join(m.describe() for m in seen_of.values()))
+
+
+def finished_while_training(store: dist.Store, gen: int, slots: Sequence[int]) -> str | None:
+    """The line that stops a job whose ranks finished training while others still
+    train (generation ``gen`` is being recovered); None when no rank has finished.
+    ``slots``: the launch ranks of the world (the "trained" records are keyed by them).
+
+    A rank that finished never joins a rendezvous again, so waiting for it only delays
+    this line by the rendezvous timeout (it used to say "is a spare available?"). The
+    usual cause is a loop that counts steps itself: after a recovery its counter goes on
+    from where it was, so ranks run different numbers of steps. One read when nobody has
+    finished (the "any done" record), a read per rank otherwise."""
+    if not protocol.any_done(store):
+        return None
+    trained = {r: auth.read(store, protocol.trained_key(r)) for r in slots}
+    finished = {r: step for r, step in trained.items() if step is not None}
+    training = sorted(r for r, step in trained.items() if step is None)
+    if not finished or not training:
+        return None
+    done = ", ".join(f"rank {r} at step {step}" for r, step in sorted(finished.items()))
+    return (f"generation {gen}: {done} finished training (last step committed, process "
+            f"exited) while ranks {training} still train: the ranks ran different "
+            "numbers of steps. A loop that counts steps itself (`for _ in range(n):`) "
+            "does not go back with a recovery; use `for i in cl.steps(n):` or iterate "
+            "the loader (`for batch in loader:`)")
 
 
 AGENT_BEAT_WAIT_S = 3.0

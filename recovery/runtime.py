@@ -43,6 +43,7 @@ from recovery import (
     process_groups,
     protocol,
     recovery_timeline,
+    rendezvous,
     user_errors,
     world,
     world_resize,
@@ -126,8 +127,7 @@ class Checkpointless:
         self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log,
                                     committed=lambda: self.committed_step)
         self.faults.install(model, optimizer)
-        # The watchdog gets a connection of its own: a store client serialises its
-        # operations, and heartbeats must never queue behind the training loop's.
+        # The watchdog's own connection: heartbeats never queue behind the loop's requests.
         self.watchdog = Watchdog(
             self._connect_store() if self.env.launched else self.store,
             self.env.heartbeat_file, rec.heartbeat_interval_s,
@@ -229,9 +229,12 @@ class Checkpointless:
         self._finish()
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
-        """``for epoch in cl.epochs(N):`` from the restored epoch; ends by :meth:`finish`.
-        With :meth:`training_step` and ``for batch in data`` (:mod:`recovery.epoch_loop`)."""
+        """``for epoch in cl.epochs(N):`` from the restored epoch (:mod:`recovery.epoch_loop`)."""
         return self.loop.epochs(num_epochs)
+
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """``for i in cl.steps(n):`` a pass of ``n`` steps, resumed at the right index."""
+        return self.loop.steps(num_steps)
 
     def training_step(self) -> AbstractContextManager[int]:
         """``with cl.training_step():`` one step, recovered in place on a failure."""
@@ -315,11 +318,13 @@ class Checkpointless:
         if not self.settings.recovery.enabled:
             raise exc
         cause = self._cause_of(exc)
+        if cause["local"] and isinstance(exc, StopIteration):  # never a node's failure
+            user_errors.stop_job(reason := user_errors.loop_ran_dry(self.rank, self.step, exc), exc)
+            self._fatal(reason)
         if cause["local"] and self._repeats.repeated(exc, self.step):
-            reason = (f"rank {self.rank} raised {user_errors.describe(exc)} at step "
-                      f"{self.step} again after recovering from it: a deterministic "
-                      "failure (a bug in the step, or state the runtime does not know "
-                      "about), not retried")
+            reason = (f"rank {self.rank} raised {user_errors.describe(exc)} at step {self.step} "
+                      "again after recovering from it: a deterministic failure (a bug in "
+                      "the step, or state the runtime does not know about), not retried")
             user_errors.stop_job(reason, exc)
             self._fatal(reason)
         return self._recover(cause)
@@ -466,11 +471,12 @@ class Checkpointless:
             faulthandler.cancel_dump_traceback_later()
         t_abort = time.time()
         while True:
-            # Checked on every pass: failures during a recovery make generations too.
-            over = protocol.restart_budget_exceeded(self.store, rec.max_restarts)
-            if over is not None:
-                self._fatal(over)
+            # Checked on every pass: failures during a recovery make generations too;
+            # a rank that finished training never joins one (rendezvous.finished_...).
             gen = protocol.current_generation(self.store)
+            if over := (protocol.restart_budget_exceeded(self.store, rec.max_restarts)
+                        or rendezvous.finished_while_training(self.store, gen, self.world.slots)):
+                self._fatal(over)
             self.watchdog.generation = gen
             new_world = world.current(self.store, gen, self.configured)
             if new_world.slots != self.world.slots:  # the script runs again in it (ADR 0035)
@@ -499,10 +505,8 @@ class Checkpointless:
                 self._fatal(str(exc))
             except Exception as exc:  # a failure during the recovery itself
                 if isinstance(exc, (CollectiveAborted, StoreWaitInterrupted)) \
-                        and self.watchdog.failure_pending:
-                    # A newer generation ended this one's set-up (a peer that joined it
-                    # died before connecting): its declarer counted that failure.
-                    self._teardown_generation()
+                        and self.watchdog.failure_pending:  # a newer generation ended
+                    self._teardown_generation()  # this one's set-up (ADR 0043)
                     continue
                 self.log.emit(Event.RECOVERY_INTERRUPTED, gen=gen, error=str(exc)[:300])
                 protocol.declare_failure(self.store, gen, {

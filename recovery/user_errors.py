@@ -88,6 +88,21 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}{': ' + text if text else ''}{f' (at {at})' if at else ''}"
 
 
+def loop_ran_dry(rank: int, step: int, exc: StopIteration) -> str:
+    """The line for a ``StopIteration`` out of the script's own ``next()`` inside a
+    training step: the loop asked for a batch past the end of its data. Retrying cannot
+    help, and the usual cause is a loop that counts its steps itself: after a recovery
+    its counter goes on from where it was on a survivor and from 0 on a replacement,
+    while the loader resumes at the batch after the restored step."""
+    at = f" ({w})" if (w := where(exc)) else ""
+    return (f"rank {rank} raised StopIteration inside its training step {step}{at}: "
+            "the loop asked for a batch after the end of its data. A loop "
+            "that counts steps itself (`for _ in range(n):` with `next(it)` inside) does "
+            "not go back with a recovery, so ranks run different numbers of steps: use "
+            "`for i in cl.steps(n):` or iterate the loader (`for batch in loader:`); "
+            "not retried")
+
+
 def stop_job(reason: str, exc: BaseException) -> bool:
     """Record ``reason`` as the job's fatal reason; print the traceback and the line if
     this rank recorded it first (the others print one line). Returns whether it did."""
@@ -139,6 +154,28 @@ def _record_and_say(env: WorkerEnv, reason: str, exc: BaseException) -> bool:
           f"checkpointless: rank {env.rank} stopped too ({describe(exc)})",
           file=sys.stderr, flush=True)
     return first
+
+
+def record_verdict(exc: BaseException) -> None:
+    """A :class:`~recovery.errors.RecoveryImpossible` escaped the script: make it the
+    job's fatal reason if nothing is recorded yet, and say it once. The runtime records
+    its own verdicts; one raised where no runtime call records it (a tracked loader's
+    iterator after a rollback across an epoch, the epoch loop's boundary) reached the
+    agent as a plain crash, which it replaced, and the job then failed for another
+    reason ("no surviving copy") after a cascade of recoveries."""
+    from recovery import protocol
+    from recovery.env import WorkerEnv
+
+    env = WorkerEnv.from_environ()
+    if not env.launched:
+        return
+    try:
+        store = env.connect_store()
+        if protocol.fatal(store) is None:
+            protocol.set_fatal(store, str(exc), rank=env.rank)
+            print(f"checkpointless: {exc}", file=sys.stderr, flush=True)
+    except Exception:  # the job store is gone: the job is ending anyway
+        pass
 
 
 def stop_before_first_step(exc: BaseException) -> NoReturn:
