@@ -139,9 +139,15 @@ def rebuild_reducer(ddp: Any, layout: Layout | None) -> None:
     names = ddp._build_debug_param_to_name_mapping(parameters)
     with _assignment(layout, ddp.bucket_bytes_cap):
         ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
+    if getattr(ddp, "_require_manual_backward_finalization", False):
+        ddp.require_manual_backward_finalization = True  # torch >= 2.15: the new reducer's
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
         ddp.logger._set_static_graph()
+        # A new static-graph reducer learns the graph in its first backward, whose
+        # gradients DDP all-reduces in one delayed pass it enqueues while this flag is
+        # False. The old reducer's True left every gradient unreduced after a recovery.
+        ddp._static_graph_delay_allreduce_enqueued = False
     for hook, state in getattr(ddp, "_comm_hooks", []):
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp._has_rebuilt_buckets = False

@@ -154,7 +154,11 @@ def _drop_unsharded_grad(param: Any) -> None:
     there (``reset_iter_state`` does not clear it), and the replayed backward would add
     onto it.
     """
-    param.unsharded_accumulated_grad = None
+    # A plain attribute until torch 2.14; a read-only view of ``_unsharded_param.grad``
+    # (cleared below) from 2.15.
+    prop = getattr(type(param), "unsharded_accumulated_grad", None)
+    if not isinstance(prop, property) or prop.fset is not None:
+        param.unsharded_accumulated_grad = None
     unsharded = getattr(param, "_unsharded_param", None)
     if unsharded is not None:
         unsharded.grad = None

@@ -84,6 +84,10 @@ class InterruptibleStore(dist.Store):
     def num_keys(self) -> int:
         return self._store.num_keys()
 
+    # The names torch's C++ side calls on a Python store (as EtcdStore has them).
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = timeout.total_seconds()
 

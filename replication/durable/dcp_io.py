@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import fsspec
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _DcpFsspecFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -29,6 +28,15 @@ from replication.durable.storage import (
     is_posix,
     rm_quiet,
 )
+
+try:  # torch >= 2.15: the public module (the private one is a deprecated shim of it)
+    from torch.distributed.checkpoint.fsspec_filesystem import (
+        _FileSystem as _DcpFsspecFileSystem,
+    )
+except ImportError:  # torch 2.11-2.14
+    from torch.distributed.checkpoint._fsspec_filesystem import (
+        FileSystem as _DcpFsspecFileSystem,
+    )
 
 __all__ = [
     "CheckpointException", "RankReader", "RankWriter", "StagedSavePlanner",
