@@ -13,8 +13,19 @@ NEMO_STAMP := $(NEMO_VENV)/.setup-stamp
 TORCH_SPEC ?= torch==2.13.0
 # `.ci/run` sets SUITE_BUDGET=--warn-over=720 (12 min; 1800 under --load): a warning past it.
 SUITE_BUDGET ?=
+# The compatibility leg (`make test-compat`): the newest torch on Python 3.12, in its own
+# environment. The registry's wheel is a CUDA build that runs on the CPU (about 3 GB with
+# its CUDA libraries; pip's cache keeps it between runs on one machine). A pip capped
+# below it (/etc/xdg/pip on these CI hosts) refuses it: `.ci/run` lifts the cap first.
+COMPAT_VENV   := .venv-compat
+COMPAT_PY     := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP  := $(COMPAT_VENV)/.setup-stamp
+COMPAT_TORCH  ?= 2.15.0
+# The first Python 3.12 that runs (a pyenv shim may exist and refuse to).
+COMPAT_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python; do \
+	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: setup setup-nemo bytecode demo docs test test-nemo test-fast test-slow bench lint clean test-gpu
+.PHONY: setup setup-nemo setup-compat bytecode demo docs test test-compat test-nemo test-fast test-slow bench lint clean test-gpu
 
 setup: $(STAMP)
 	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
@@ -35,6 +46,19 @@ $(NEMO_STAMP): pyproject.toml Makefile replication/_streamcopy.c
 	$(NEMO_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(NEMO_PY) -m pip install -q -e ".[nemo]" "pytest>=8" "pytest-timeout>=2.3"
 	touch $(NEMO_STAMP)
+
+setup-compat: $(COMPAT_STAMP)
+
+# torch first, then the project, which must leave it alone (the range admits it): the
+# version is checked after both.
+$(COMPAT_STAMP): pyproject.toml Makefile replication/_streamcopy.c
+	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat: no Python 3.12 found (set COMPAT_PYTHON=/path/to/python3.12)" >&2; exit 1; }
+	test -x $(COMPAT_PY) || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q "torch==$(COMPAT_TORCH)"
+	$(COMPAT_PY) -m pip install -q -e ".[dev]"
+	$(COMPAT_PY) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$(COMPAT_TORCH)' else f'installing the project changed torch to {v}')"
+	touch $(COMPAT_STAMP)
 
 demo: setup
 	$(PY) -m examples.demo
@@ -68,6 +92,15 @@ test: setup setup-nemo
 bytecode:
 	$(PY) -m compileall -q -j 0 recovery replication launcher dataloader_cache benchmarks examples tests >/dev/null
 
+# The compatibility leg: the tests marked `compat` (tests/conftest.py: a file per
+# capability) and the demo's job, bit-identical, on the newest torch and Python 3.12.
+test-compat: setup-compat
+	$(COMPAT_PY) -c "import sys, torch; print(f'compatibility leg: torch {torch.__version__}, Python {sys.version.split()[0]}')"
+	rm -f build/pytest-compat.xml
+	$(COMPAT_PY) -m pytest -q -n 3 --dist loadfile -m compat --junitxml=build/pytest-compat.xml
+	test -s build/pytest-compat.xml || { echo "pytest ended without finishing the session" >&2; exit 1; }
+	$(COMPAT_PY) -m examples.demo
+
 # The whole suite beside a steady competing load (.ci/load.py: one CPU-bound process per
 # core and a disk writer), as on a cluster node that is not idle. Budget 30 minutes.
 test-load: setup setup-nemo
@@ -89,7 +122,7 @@ lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEMO_VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache
 
 # The GPU check (docs/gpu.md) on the device machine's own python3, not the CPU venv: the
 # C extension is built for that interpreter (optional: without it snapshots copy with

@@ -3,6 +3,11 @@
 ``tests/nemo_toolkit/`` needs NeMo, whose 3.x release pins Lightning 2.4: it runs in its
 own environment (``.venv-nemo``, ``make test-nemo``, part of ``make test``), not in the
 main one, which has a newer Lightning.
+
+The files in :data:`COMPAT_FILES` are also the compatibility leg (``-m compat``,
+``make test-compat``): the same tests on the newest torch and Python 3.12, one file per
+capability a user meets (the owned group, DDP and FSDP2 recovery, live rollback, shrink
+and grow, Lightning, the durable tier, Slurm, the private torch APIs reached into).
 """
 
 from __future__ import annotations
@@ -17,6 +22,25 @@ try:
     version("nemo_toolkit")
 except PackageNotFoundError:
     collect_ignore.append("nemo_toolkit")
+
+
+#: The compatibility leg's files (docs/testing.md, "The compatibility leg").
+COMPAT_FILES = frozenset({
+    "test_abortable_gloo.py", "test_commit_tree.py", "test_dataloader_cache.py",
+    "test_ddp_layout.py", "test_durable.py", "test_durable_runtime.py",
+    "test_durable_slot.py", "test_fsdp2.py", "test_fsdp2_training.py",
+    "test_inner_backends.py", "test_lightning_demo_models.py", "test_lightning_recovery.py",
+    "test_lightning_strategy.py", "test_live_rollback.py", "test_ordered_sum.py",
+    "test_owned_group.py", "test_readme_loops.py", "test_recovery_faults.py",
+    "test_replication_mp.py", "test_shrink.py", "test_slurm.py", "test_snapshot.py",
+    "test_torch_internals.py",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in COMPAT_FILES:
+            item.add_marker(pytest.mark.compat)
 
 
 _REAL_CLOCKS = {name: getattr(time, name) for name in ("perf_counter", "monotonic", "time")}
