@@ -27,15 +27,12 @@ except PackageNotFoundError:
 #: The compatibility leg's files (docs/testing.md, "The compatibility leg").
 COMPAT_FILES = frozenset({
     "test_abortable_gloo.py", "test_commit_tree.py", "test_dataloader_cache.py",
-    "test_ddp_layout.py", "test_durable.py", "test_durable_runtime.py",
-    "test_durable_slot.py", "test_fsdp2.py", "test_fsdp2_training.py",
-    "test_inner_backends.py", "test_lightning_demo_models.py", "test_lightning_recovery.py",
-    "test_lightning_strategy.py", "test_live_rollback.py", "test_ordered_sum.py",
-    "test_owned_group.py", "test_readme_loops.py", "test_recovery_faults.py",
-    "test_replication_mp.py", "test_shrink.py", "test_slurm.py", "test_snapshot.py",
-    "test_torch_internals.py",
+    "test_durable.py", "test_durable_runtime.py", "test_durable_slot.py", "test_fsdp2.py",
+    "test_fsdp2_training.py", "test_inner_backends.py", "test_lightning_demo_models.py",
+    "test_lightning_strategy.py", "test_live_rollback.py", "test_owned_group.py",
+    "test_readme_loops.py", "test_recovery_faults.py", "test_shrink.py", "test_slurm.py",
+    "test_snapshot.py", "test_torch_internals.py",
 })
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
