@@ -76,3 +76,18 @@ def test_a_loop_counting_its_own_steps_is_stopped_with_the_cause(tmp_path):
     # At the first sign: within seconds of the recovery, never a rendezvous timeout.
     recovered = min(e["ts"] for e in job.events("recovery"))
     assert fatal[0]["ts"] - recovered < 10, (fatal[0]["ts"] - recovered, reason)
+
+
+def test_a_pass_of_cl_steps_alone_is_the_whole_job(tmp_path):
+    """``for i in cl.steps(12):`` with no ``cl.epochs``: the job finishes after it, and a
+    kill mid-pass ends with the weights of the failure-free run (each step's input is its
+    index, so a rank resumed at the wrong index would differ) and index 11 last."""
+    script = "tests/user_scripts/steps_alone.py"
+    ref = run_job(tmp_path / "ref", nnodes=2, script=script, script_args=(), timeout_s=120)
+    assert_succeeded(ref)
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, script=script, script_args=(),
+                  timeout_s=150, overrides=["recovery.fault=1:6:backward:sigkill", *FAST])
+    assert_succeeded(job)
+    assert job.events("recovery"), "nothing was recovered"
+    assert_same_final(ref, job)
+    assert {f["last_index"] for f in job.finals().values()} == {11}
