@@ -91,3 +91,22 @@ def test_a_pass_of_cl_steps_alone_is_the_whole_job(tmp_path):
     assert job.events("recovery"), "nothing was recovered"
     assert_same_final(ref, job)
     assert {f["last_index"] for f in job.finals().values()} == {11}
+
+
+def test_ranks_that_finished_while_another_trains_stop_the_job_at_once(tmp_path):
+    """The survivors of a kill finish their own ``range`` first and exit 0 while the
+    replacement is still in the loop. Its next collective fails; the job stops with the
+    line that says the ranks ran different numbers of steps, at once: not after a 60 s
+    rendezvous timeout, and not with "is a spare available?"."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1,
+                  script="tests/user_scripts/counted_range.py", script_args=(), timeout_s=150,
+                  overrides=["recovery.fault=1:6:backward:sigkill", "replication.every_n_steps=2",
+                             *FAST])
+    assert not job.timed_out, job.output()
+    fatal = job.events("job_failed")
+    assert fatal, job.output()
+    reason = fatal[0]["reason"]
+    assert "finished training" in reason and "cl.steps(n)" in reason, reason
+    assert "spare" not in reason, reason
+    finished = min(e["ts"] for e in job.events("worker_exit") if e["exitcode"] == 0)
+    assert fatal[0]["ts"] - finished < 10, (fatal[0]["ts"] - finished, reason)
