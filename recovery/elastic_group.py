@@ -508,6 +508,15 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return self._run(inputs, lambda b: b.gather(outputs, inputs, opts),
                          self._no_local("gather"))
 
+    def gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        """torch >= 2.15's ``dist.gather_single`` (and ``gather_into_tensor``): every rank's
+        ``inp`` into the rows of the root's ``output`` (a placeholder elsewhere), through
+        :meth:`gather` over views of those rows."""
+        opts = opts if opts is not None else GatherOptions()
+        rows = ([row.view(inp.shape) for row in output.view(self._size, -1).unbind(0)]
+                if self._rank == opts.rootRank else None)
+        return self.gather([rows] if rows is not None else [], [inp], opts)
+
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> Any:
         opts = opts if opts is not None else ScatterOptions()

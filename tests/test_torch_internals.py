@@ -171,6 +171,9 @@ def test_public_collectives_reach_the_owned_groups_python_methods() -> None:
             "barrier": dist.barrier,
             "all_gather_object": lambda: dist.all_gather_object(objs, 3),
             "coalesced": coalesced}
+        gathered = torch.empty(4)
+        if hasattr(dist, "gather_single"):  # torch >= 2.15
+            cases["gather_single"] = lambda: dist.gather_single(t * 8, gathered, dst=0)
         for what, call in cases.items():
             world.calls.clear()
             try:
@@ -184,6 +187,8 @@ def test_public_collectives_reach_the_owned_groups_python_methods() -> None:
         got = [t, six, outs[0], out, torch.tensor(objs), torch.cat([a, b])]
         want = [torch.arange(4.0), torch.tensor([6.0]), t * 6, t * 7, torch.tensor([3]),
                 torch.cat([t, t * 2])]
+        if "gather_single" in cases:
+            got, want = [*got, gathered], [*want, t * 8]
         problems += [f"got {g}, not {w}" for g, w in zip(got, want) if not torch.equal(g, w)]
     assert not problems, "\n".join(problems)
 
