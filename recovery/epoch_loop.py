@@ -40,7 +40,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from recovery import auth
 from recovery.errors import RecoveryImpossible
+from recovery.protocol import PREFIX
 
 if TYPE_CHECKING:
     from recovery.loader_position import LoaderPosition
@@ -90,12 +92,29 @@ class EpochLoop:
             while True:
                 while self.epoch < num_epochs:
                     yield self.epoch
+                    self._check_epoch_end()
                     self.epoch += 1
                 if self._commit_final():
                     break
         finally:
             self.active = False
         self.rt.finish()
+
+    def _check_epoch_end(self) -> None:
+        """Every rank ends an epoch at the same step, or the ranks ran different numbers
+        of steps in it (a loop that counts steps itself, after a recovery): stop the
+        job with the line that says so. The first rank to end the epoch records its step
+        (one sealed compare-and-set per epoch and rank); a replay of the epoch's end
+        after a rollback ends at the same step."""
+        step = self._deferred if self._deferred is not None else self.rt.step
+        won, agreed = auth.claim(self.rt.store, f"{PREFIX}/epoch_end/{self.epoch}", str(step))
+        if not won and agreed != str(step):
+            raise RecoveryImpossible(
+                f"rank {self.rt.rank} ended epoch {self.epoch} at step {step}, and another "
+                f"rank at step {agreed}: the ranks ran different numbers of steps in it. A "
+                "loop that counts steps itself (`for _ in range(n):`) does not go back with "
+                "a recovery; use `for i in cl.steps(n):` or iterate the loader "
+                "(`for batch in loader:`)")
 
     def _commit_final(self) -> bool:
         """Commit the last step; False when a failure rolled the loop back before it."""

@@ -144,7 +144,7 @@ class _StubController(Controller):
         self.made: list[tuple[str, str]] = []
 
     def make_inner(self, group: ElasticProcessGroup, gen: int, device: str, kind: str,
-                   nonce: int = 0) -> _Inner:
+                   nonce: int = 0, epoch: int | None = None) -> _Inner:
         self.made.append((device, kind))
         return _Inner(kind, self.stubs.get(device) or _StubBackend(), None)
 

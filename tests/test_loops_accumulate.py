@@ -110,3 +110,18 @@ def test_ranks_that_finished_while_another_trains_stop_the_job_at_once(tmp_path)
     assert "spare" not in reason, reason
     finished = min(e["ts"] for e in job.events("worker_exit") if e["exitcode"] == 0)
     assert fatal[0]["ts"] - finished < 10, (fatal[0]["ts"] - finished, reason)
+
+
+def test_ranks_that_end_an_epoch_at_different_steps_stop_the_job(tmp_path):
+    """Two epochs of a loop's own ``range(8)``: after the kill the survivors end epoch 0
+    at an earlier step than the replacement, and go on into epoch 1 in step with it
+    (their collectives match). The job stops when the replacement ends epoch 0, with the
+    line naming the epoch and both steps."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1,
+                  script="tests/user_scripts/counted_range.py", script_args=("epochs",),
+                  timeout_s=150, overrides=["recovery.fault=1:5:backward:sigkill", *FAST])
+    assert not job.timed_out, job.output()
+    fatal = job.events("job_failed")
+    assert fatal, job.output()
+    reason = fatal[0]["reason"]
+    assert "ended epoch 0 at step" in reason and "cl.steps(n)" in reason, reason
