@@ -61,7 +61,7 @@ def main() -> None:
     losses: list[float] = []  # the loss of every step, as the script would log it
 
     cl = Checkpointless(model=model, optimizer=opt, scheduler=sched, loader=data,  # checkpointless
-                        extra={"seen": _Seen(seen), "losses": _Losses(losses)})
+                        extra={"seen": _Seen(seen), "losses": _Seen(losses, torch.float64)})
 
     def train(micro: list) -> None:
         """One optimizer step over the micro-batches: DDP syncs on the last only."""
@@ -100,19 +100,6 @@ def main() -> None:
                    "data_order": hashlib.sha256(json.dumps(seen).encode()).hexdigest(),
                    "position": len(seen), "losses": losses, "gen": cl.gen}, f)
     dist.destroy_process_group()
-
-
-class _Losses:
-    """The step losses the script logs, registered so a rollback rolls them back."""
-
-    def __init__(self, losses: list[float]) -> None:
-        self.losses = losses
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"losses": torch.tensor(self.losses, dtype=torch.float64)}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.losses[:] = state["losses"].tolist()
 
 
 if __name__ == "__main__":

@@ -109,13 +109,14 @@ def main() -> None:
 
 
 class _Seen:
-    """The order check's own record, registered so a rollback rolls it back too."""
+    """The order check's own record (or any list of numbers the script keeps, such as
+    its logged losses), registered so a rollback rolls it back too."""
 
-    def __init__(self, seen: list[int]) -> None:
-        self.seen = seen
+    def __init__(self, seen: list, dtype: torch.dtype = torch.int64) -> None:
+        self.seen, self.dtype = seen, dtype
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"seen": torch.tensor(self.seen, dtype=torch.int64)}
+        return {"seen": torch.tensor(self.seen, dtype=self.dtype)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.seen[:] = state["seen"].tolist()
