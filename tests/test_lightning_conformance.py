@@ -243,7 +243,9 @@ def test_persistence_cadence_is_honoured_with_validation(tmp_path):
     during training. A save may still be *skipped by the writer* when the previous one
     is still being written (that is the writer's back-pressure, ADR 0005: it happened
     once here with four workers and the rest of the suite on two cores); every due step
-    must reach the writer, and most saves must land."""
+    must reach the writer, and most saves must land. Under load a snapshot round can also
+    commit only after the next due one has ended; the older save is then recorded as
+    superseded (the same back-pressure, one tier earlier)."""
     persist = tmp_path / "persist"
     job = run_job(tmp_path / "run", nnodes=2, nproc=2, script=SCRIPT, script_args=(),
                   timeout_s=300, overrides=(*FAST, f"persistence.path={persist}",
@@ -253,7 +255,8 @@ def test_persistence_cadence_is_honoured_with_validation(tmp_path):
         rows = list(csv.DictReader(f))
     assert not [r for r in rows if r["status"] not in ("ok", "skipped")], rows
     skipped = [r for r in rows if r["status"] == "skipped"]
-    assert all("still" in r["detail"] or "keep up" in r["detail"] for r in skipped), skipped
+    assert all("keep up" in r["detail"] or r["detail"].startswith("superseded by step")
+               for r in skipped), skipped
     assert len(skipped) <= len(rows) // 4, rows
     saved = {}
     for r in rows:

@@ -54,11 +54,12 @@ def _complete_steps(persist: Path) -> list[int]:
 def _history(persist: Path) -> dict[int, dict[int, str]]:
     """``{step: {rank: status}}`` from the history CSV. A save the writer skipped is
     allowed only for its back-pressure (the previous save still running, ADR 0005: on
-    two loaded cores a 0.3 s save can outlast the three steps to the next one)."""
+    two loaded cores a 0.3 s save can outlast the three steps to the next one), or a
+    snapshot round that committed only after the next due one had ended (superseded)."""
     with open(persist / "checkpoint_history.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     bad = [r for r in rows if r["status"] not in ("ok", "exists")
-           and "keep up" not in r["detail"]]
+           and "keep up" not in r["detail"] and not r["detail"].startswith("superseded by step")]
     assert not bad, bad
     saved: dict[int, dict[int, str]] = {}
     for r in rows:
