@@ -31,7 +31,7 @@ setup: $(STAMP)
 	@test -x /usr/bin/etcd || echo "hint: /usr/bin/etcd is missing, so the etcd tests (tests/test_etcd_*.py, the etcd partition test) will skip (apt-get install etcd-server)"
 	@test -x /usr/sbin/slurmd || echo "hint: Slurm is missing, so tests/test_slurm.py will skip (apt-get install slurm-wlm munge)"
 
-$(STAMP): pyproject.toml Makefile replication/_streamcopy.c
+$(STAMP): pyproject.toml Makefile replication/snapshots/_streamcopy.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml Makefile replication/_streamcopy.c
 
 setup-nemo: $(NEMO_STAMP)
 
-$(NEMO_STAMP): pyproject.toml Makefile replication/_streamcopy.c
+$(NEMO_STAMP): pyproject.toml Makefile replication/snapshots/_streamcopy.c
 	test -x $(NEMO_PY) || $(PYTHON) -m venv $(NEMO_VENV)
 	$(NEMO_PY) -m pip install -q --upgrade pip
 	$(NEMO_PY) -m pip install -q "$(TORCH_SPEC)"
@@ -51,7 +51,7 @@ setup-compat: $(COMPAT_STAMP)
 
 # torch first, then the project, which must leave it alone (the range admits it): the
 # version is checked after both.
-$(COMPAT_STAMP): pyproject.toml Makefile replication/_streamcopy.c
+$(COMPAT_STAMP): pyproject.toml Makefile replication/snapshots/_streamcopy.c
 	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat: no Python 3.12 found (set COMPAT_PYTHON=/path/to/python3.12)" >&2; exit 1; }
 	test -x $(COMPAT_PY) || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q --upgrade pip
@@ -128,5 +128,5 @@ clean:
 # C extension is built for that interpreter (optional: without it snapshots copy with
 # torch), then every check runs in its own process under its own timeout, 8 minutes in all.
 test-gpu:
-	-PYTHONPATH=. python3 -c "from setuptools import setup, Extension; setup(script_args=['build_ext','--inplace','-q'], ext_modules=[Extension('replication._streamcopy', ['replication/_streamcopy.c'], extra_compile_args=['-O2'])])" || echo "streamcopy extension not built: snapshots fall back to torch copies"
+	-PYTHONPATH=. python3 -c "from setuptools import setup, Extension; setup(script_args=['build_ext','--inplace','-q'], ext_modules=[Extension('replication.snapshots._streamcopy', ['replication/snapshots/_streamcopy.c'], extra_compile_args=['-O2'])])" || echo "streamcopy extension not built: snapshots fall back to torch copies"
 	PYTHONPATH=. timeout 500 python3 tests/gpu/run_gpu_check.py --budget-s 470

@@ -81,7 +81,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 
 def step_done_after(out: Path, t_kill: float, step: int, world: int = 2) -> float:
     """When every rank had completed ``step`` after ``t_kill`` (from progress.jsonl)."""
-    from recovery.protocol import read_events
+    from recovery.generation.protocol import read_events
 
     times: dict[int, float] = {}
     for e in read_events(out / "progress.jsonl"):

@@ -77,9 +77,9 @@ def main() -> None:
     per_allreduce = (_wchar() - before) / ALLREDUCES_MEASURED
     ordered = 0
     if not args.plain:
-        from recovery import elastic_controller
+        from recovery.process_group import controller
 
-        ordered = elastic_controller.controller().ordered_sums
+        ordered = controller.controller().ordered_sums
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:

@@ -48,8 +48,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from benchmarks._harness import REPO, emit, free_port, job_env, progress, wait_all
-from recovery.events import Event
-from recovery.protocol import read_events
+from recovery.common.events import Event
+from recovery.generation.protocol import read_events
 
 KILL_STEP = 40
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from replication.device_tier import DeviceTier
-from replication.snapshot import SnapshotEngine
-from replication.state import TrainingState
+from replication.snapshots.device_tier import DeviceTier
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.state import TrainingState
 
 
 def _pinned_d2h_s(nbytes: int, repeats: int) -> float:

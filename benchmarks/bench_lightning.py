@@ -38,8 +38,8 @@ from benchmarks._harness import (
     step_done_after,
     wait_all,
 )
-from recovery.events import Event
-from recovery.protocol import read_events
+from recovery.common.events import Event
+from recovery.generation.protocol import read_events
 
 SCRIPT = str(REPO / "examples" / "lightning_gpt.py")
 

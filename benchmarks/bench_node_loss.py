@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import emit, progress
-from recovery.events import Event
+from recovery.common.events import Event
 from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
 from tests.recovery_harness import FINAL_FIELDS, JobResult, run_job
 
@@ -135,7 +135,7 @@ def main() -> None:
     missing = etcd_missing_reason()
     if missing:
         raise SystemExit(f"bench_node_loss needs etcd: {missing}")
-    from recovery.config import RecoveryConfig
+    from recovery.common.config import RecoveryConfig
 
     defaults = RecoveryConfig()
     out: dict[str, Any] = {"quick": args.quick,

@@ -16,7 +16,7 @@ Each job runs every point of the sweep: state bytes per rank over step time from
 to 2 GB/s (:data:`RATES`), snapshots every step (``every1``) and every N steps
 (``everyN``). A fourth job, **default**, runs with no settings at all, exactly as a
 user who knows none of the keys would: ``replication.every_n_steps`` is ``auto`` by
-default (ADR 0032), so the runtime (:mod:`recovery.auto_interval`) measures its own
+default (ADR 0032), so the runtime (:mod:`recovery.schedules.auto_interval`) measures its own
 costs, agrees on N for ``replication.max_overhead`` (0.02) and applies it; the bench only
 times the steps and reads the choices from the run's ``auto_interval`` events. The kinds of step are
 ``cpu`` (real compute on the host's cores, shared with the runtime) and ``device`` (the
@@ -77,15 +77,15 @@ from pathlib import Path
 from benchmarks import goodput_model
 from benchmarks._harness import REPO, emit, free_port, job_env, median, progress, wait_all
 from benchmarks.goodput_model import HOUR
-from recovery.events import Event
-from recovery.protocol import read_events
+from recovery.common.events import Event
+from recovery.generation.protocol import read_events
 
 RATES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 QUICK_RATES = (0.5, 2.0)
 KEY_RATE = 0.5
 AUTO_WARM = 96
 """Steps of the default job left out of its steady figure: the policy's probe (48
-steps) and its first agreement (global step 64, ``recovery.auto_interval.AGREE_EVERY``),
+steps) and its first agreement (global step 64, ``recovery.schedules.auto_interval.AGREE_EVERY``),
 with margin."""
 DEFAULT_STEPS = (256, 1120)
 """The default job's steps (quick, full), its probe included."""

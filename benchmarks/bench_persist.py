@@ -59,8 +59,8 @@ import torch
 from benchmarks._harness import REPO, emit, median, progress
 from replication.config import PersistenceConfig
 from replication.durable import DurableWriter
-from replication.snapshot import SnapshotEngine
-from replication.state import TrainingState
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.state import TrainingState
 
 SPIN = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < {}: pass"
 SETTLE_S = 0.02  # after a background run ends, before its idle gap is measured

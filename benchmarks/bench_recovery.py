@@ -37,8 +37,8 @@ from benchmarks._harness import (
     step_done_after,
     wait_all,
 )
-from recovery.events import Event
-from recovery.protocol import read_events
+from recovery.common.events import Event
+from recovery.generation.protocol import read_events
 
 
 def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: str) -> Path:

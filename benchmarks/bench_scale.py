@@ -40,8 +40,8 @@ def _ms(x: float) -> float:
 
 def _record_fn(store: Any) -> Any:
     """Rank 0's record, as ``Replicator._record_committed`` writes it."""
-    from replication import signing
-    from replication.commit import COMMITTED_KEY
+    from replication.replica_protocol.commit import COMMITTED_KEY
+    from replication.side_channel import signing
 
     def record(step: int) -> None:
         store.set(COMMITTED_KEY, signing.seal(COMMITTED_KEY, str(step)))
@@ -51,9 +51,9 @@ def _record_fn(store: Any) -> Any:
 
 
 def measure(quick: bool) -> dict[str, Any]:
-    from recovery.config import RecoveryConfig
-    from replication import signing
-    from replication.commit_tree import depth_of
+    from recovery.common.config import RecoveryConfig
+    from replication.replica_protocol.commit_tree import depth_of
+    from replication.side_channel import signing
 
     signing.install(signing.Signer(os.urandom(32)))  # sealed records need a job key
     tree_ns = [8, 16, 32, 64, 128, 256, 512, 1024] + ([] if quick else [2048])

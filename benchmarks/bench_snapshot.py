@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._harness import emit, median, progress, run_ranks
-from replication import streamcopy
 from replication.config import MemoryConfig, ReplicationConfig
-from replication.layout import flatten, tensor_views
-from replication.replicator import Replicator
-from replication.state import TrainingState
+from replication.replica_protocol.replicator import Replicator
+from replication.snapshots import streamcopy
+from replication.training_state.layout import flatten, tensor_views
+from replication.training_state.state import TrainingState
 
 
 def build(width: int, layers: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -14,7 +14,7 @@ time on average (a Poisson process, one failure at a time):
   costs the in-process recovery time ``R_cl`` plus the work since the newest committed
   step: half an interval on average, plus one step because a round commits while the
   next step runs (``n t / 2 + t``). ``n`` is what ``every_n_steps: auto`` (the default)
-  picks (:func:`recovery.interval_policy.choose_interval`): Daly's optimum for the MTBF
+  picks (:func:`recovery.schedules.interval_policy.choose_interval`): Daly's optimum for the MTBF
   the runtime works with, when that is longer than the budget's shortest interval. With
   the default settings that MTBF is learnt: the observed rate of the job's failures
   (ADR 0032), which a long job knows well: ``cl_mtbf_factor`` 1 (the default) models
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recovery.interval_policy import choose_interval, daly_interval_s
+from recovery.schedules.interval_policy import choose_interval, daly_interval_s
 
 MINUTE, HOUR = 60.0, 3600.0
 MTBF_RANGE_S = (1 * MINUTE, 24 * HOUR)

@@ -200,7 +200,7 @@ def instrument(cl: Any, sink: dict[str, float]) -> None:
     timed(rep, "_commit", "commit_s")  # the tree agreement
     timed(rep, "wait", "loop_wait_s")  # snapshot()'s wait for the previous round
     # The receiver's verification hash, apart from its waits for chunks to land.
-    import replication.digest_copy as digest_module  # verify_as_they_land's Hasher
+    import replication.snapshots.digest_copy as digest_module  # verify_as_they_land's Hasher
 
     base_hasher = digest_module.Hasher
 

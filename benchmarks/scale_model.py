@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from replication.commit_tree import FANOUT
+from replication.replica_protocol.commit_tree import FANOUT
 
 
 @dataclass(frozen=True)

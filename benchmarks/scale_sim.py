@@ -353,7 +353,7 @@ class Abandoned(RuntimeError):
 
 @dataclass
 class VirtualNet:
-    """In-memory transport for :class:`replication.commit_tree.TreeCommit`.
+    """In-memory transport for :class:`replication.replica_protocol.commit_tree.TreeCommit`.
 
     ``mode="virtual"``: clocks as described in the module docstring; a send costs its
     sender ``send_s`` (gloo's measured send call) and its message arrives ``link_s``
@@ -487,7 +487,7 @@ def run_tree_commit(n: int, steps: int, link_s: float, send_s: float, record_s: 
     ``record`` is rank 0's real store write (it counts through ``counter``); in virtual
     time it is charged ``record_s``, its uncontended cost measured on its own.
     """
-    from replication.commit_tree import TreeCommit
+    from replication.replica_protocol.commit_tree import TreeCommit
 
     net = VirtualNet(n, link_s, send_s, mode)
     t0s = [10.0 * (i + 1) for i in range(steps)]  # virtual starts, far apart
@@ -547,7 +547,7 @@ def run_ledger_commit(pool: StorePool, n: int, steps: int, ranks_per_node: int,
     """N ranks ``ack`` then ``wait_committed`` each step on their own connections (and
     the clone each ledger opens for its waits), as ``Replicator._commit`` does; wall
     clock from the release of all ranks to the last one's return."""
-    from replication.commit import CommitLedger
+    from replication.replica_protocol.commit import CommitLedger
 
     counter = OpCounter()
     clients = pool.clients(n, counter, lambda r: r // ranks_per_node, f"ledger-{tag}")
@@ -612,7 +612,7 @@ def run_liveness(pool: StorePool, nodes: int, periods: int, interval_s: float,
     the real :class:`launcher.liveness.Heartbeat` thread and calls the real
     :meth:`PeerWatch.check` once per interval, as the agent's loop does."""
     from launcher import liveness, membership
-    from recovery import store_address
+    from recovery.job_store import store_address
 
     beat_counter, watch_counter = OpCounter(), OpCounter()
     connected: list[int] = []
@@ -681,8 +681,8 @@ def plan_planner(store: Any, gen: int, record: Any, world: int, fenced: Callable
     computed. ``current_gen`` is what the runtime passes: its watchdog's view of the
     generation, which costs no store request (the watchdog blocks on the next cause
     record on a connection of its own); in this harness nothing declares a newer one."""
-    from recovery import rendezvous
-    from replication.commit import committed_step
+    from recovery.generation import rendezvous
+    from replication.replica_protocol.commit import committed_step
 
     plan, impossible = rendezvous.agree(  # type: ignore[attr-defined]
         store, gen, record, world, 120.0, lambda: gen,
@@ -739,11 +739,12 @@ def run_rendezvous(pool: StorePool, n: int, ranks_per_node: int, factor: int,
     replicas its placement gives it; all N ranks rendezvous at once on their own
     connections and each derives the plan."""
     from launcher import membership
-    from recovery import auth, protocol
-    from recovery.causes import FailureCause
-    from replication import signing
-    from replication.commit import COMMITTED_KEY
-    from replication.placement import place_replicas, sources_of
+    from recovery.common.causes import FailureCause
+    from recovery.generation import protocol
+    from recovery.job_store import auth
+    from replication.replica_protocol.commit import COMMITTED_KEY
+    from replication.replica_protocol.placement import place_replicas, sources_of
+    from replication.side_channel import signing
 
     name, impl = rendezvous_impl()
     counter = OpCounter()
@@ -802,8 +803,8 @@ def run_rendezvous(pool: StorePool, n: int, ranks_per_node: int, factor: int,
 
 def join_record_bytes(n: int, ranks_per_node: int, factor: int) -> int:
     """Size of one sealed join record, as :func:`run_rendezvous` writes them."""
-    from recovery import protocol
-    from replication import signing
+    from recovery.generation import protocol
+    from replication.side_channel import signing
 
     rec = protocol.JoinRecord(rank=n - 1, node=(n - 1) // ranks_per_node, pid=100000,
                               newcomer=False, local_steps=[6, 7],

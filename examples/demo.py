@@ -21,8 +21,8 @@ from pathlib import Path
 
 from launcher.local_cluster import LocalCluster
 from launcher.report.model import PHASE_LABELS, PHASES, build_run
-from recovery.events import Event
-from recovery.protocol import read_events
+from recovery.common.events import Event
+from recovery.generation.protocol import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 SHOWN = {

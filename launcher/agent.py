@@ -68,11 +68,12 @@ from launcher.worker_procs import (
     stop_processes,
 )
 from launcher.zygote import Zygote
-from recovery import auth, protocol, world
-from recovery.causes import FailureCause, describe
-from recovery.events import Event
+from recovery.common.causes import FailureCause, describe
+from recovery.common.events import Event
+from recovery.generation import protocol, world
+from recovery.generation.rendezvous import finished_while_training
+from recovery.job_store import auth
 from recovery.recipe import CheckpointlessConfig, config_to_json
-from recovery.rendezvous import finished_while_training
 from replication import contract
 from replication.errors import CheckpointlessError
 
@@ -326,7 +327,7 @@ class Agent(NodeLossHandling, Endings):
 
     def _job_has_begun(self) -> bool:
         """A generation after the first, or a committed step: workers have trained."""
-        from replication.commit import committed_step
+        from replication.replica_protocol.commit import committed_step
 
         return protocol.current_generation(self.store) > 0 or committed_step(self.store) >= 0
 
@@ -517,7 +518,7 @@ class Agent(NodeLossHandling, Endings):
         the other ranks recover without it and would wait for it until their rendezvous
         timed out. Stop the job at once, with the line that says why (read after the
         "done" record, so a generation declared before it is seen here and one declared
-        after it sees the record: ``recovery.rendezvous.finished_while_training``)."""
+        after it sees the record: ``recovery.generation.rendezvous.finished_while_training``)."""
         try:
             if protocol.fatal(self.store) is not None:
                 return

@@ -23,9 +23,10 @@ from launcher import job_outcome, membership, worker_output
 from launcher.liveness import PeerWatch
 from launcher.run_args import RunArgs
 from launcher.worker_procs import SparePool, Worker, stop_processes
-from recovery import drain, protocol
-from recovery.events import Event
+from recovery.common.events import Event
+from recovery.generation import protocol
 from recovery.recipe import CheckpointlessConfig
+from recovery.runtime import drain
 from replication import contract
 
 LINGER_S = 30.0  # how long the store host waits for the other agents to see the end
@@ -81,7 +82,7 @@ class Endings:
         return 0
 
     def _drain(self) -> int:
-        """The job stops for its scheduler (:mod:`recovery.drain`): ask this node's
+        """The job stops for its scheduler (:mod:`recovery.runtime.drain`): ask this node's
         workers to persist the newest committed step, wait for them, exit 75 (a new run
         resumes from that step). Their exits are no failures: the fatal record says so."""
         self._log("stopping for the scheduler: the workers persist the newest committed "

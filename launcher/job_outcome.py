@@ -15,11 +15,11 @@ from datetime import datetime
 
 import torch.distributed as dist
 
-from recovery.causes import FailureCause
+from recovery.common.causes import FailureCause
 from replication import contract
-from replication.commit import UntrustedCommit
-from replication.commit import committed_step as _committed_step
 from replication.config import PersistenceConfig
+from replication.replica_protocol.commit import UntrustedCommit
+from replication.replica_protocol.commit import committed_step as _committed_step
 
 
 def exit_status(failure: dict) -> int:

@@ -1,7 +1,7 @@
 """The job secret: where ``checkpointless run`` takes it from, and the key derived from it.
 
 Every agent of a job needs the same secret; the records the job trusts are sealed with
-a key derived from it (``replication.signing``). Sources, in order:
+a key derived from it (``replication.side_channel.signing``). Sources, in order:
 
 - ``CHECKPOINTLESS_JOB_SECRET`` in the agent's environment, or ``--job-secret-file
   FILE`` (one of the two; the file must not be readable by other users);
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 from replication.contract import ENV_JOB_SECRET
 from replication.errors import CheckpointlessError
-from replication.signing import Signer, derive_job_key
+from replication.side_channel.signing import Signer, derive_job_key
 
 #: In the run directory of a job whose agents all run on one machine.
 SHARED_FILE = ".job-secret"

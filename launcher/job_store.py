@@ -2,7 +2,7 @@
 
 Agents coordinate only through this store (who is in the job and who runs which ranks:
 :mod:`launcher.membership`; who is still alive: :mod:`launcher.liveness`). Every value
-they write is sealed with the job key (:mod:`recovery.auth`): a process without the job
+they write is sealed with the job key (:mod:`recovery.job_store.auth`): a process without the job
 secret can write into the store, but no agent acts on what it writes. The store host
 publishes a sealed key check, and a joining agent checks its key against it before it
 writes anything (:func:`check_job_key`).
@@ -13,7 +13,7 @@ on the port, and a signal must still stop a waiting agent (:func:`connect_store`
 With ``--rdzv-backend c10d`` (the default) the store lives in node 0's agent, so losing
 node 0 ends the job (as with torchrun's c10d backend); every agent then reports a lost
 store instead of hanging. With ``--rdzv-backend etcd`` an etcd cluster holds the
-records (:mod:`recovery.etcd_store`): no agent hosts anything, the first agent to
+records (:mod:`recovery.job_store.etcd_store`): no agent hosts anything, the first agent to
 arrive publishes the key check, and any node may be lost.
 """
 
@@ -34,11 +34,12 @@ import torch.distributed as dist
 from launcher import bind as bind_mod
 from launcher import job_secret
 from launcher.run_args import RunArgs
-from recovery import protocol, store_address
-from recovery.store_address import StoreAddress
-from replication import signing
+from recovery.generation import protocol
+from recovery.job_store import store_address
+from recovery.job_store.store_address import StoreAddress
 from replication.errors import CheckpointlessError
-from replication.signing import Signer
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 
 #: Per-operation timeout once connected: long enough for a busy store, short enough
 #: that an agent never waits forever on a stopped one.

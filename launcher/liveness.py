@@ -15,7 +15,7 @@ cluster's clock, and a watcher then needs only one quick confirmation that the c
 stopped too (:class:`PeerWatch`), instead of a whole timeout of silence of its own.
 Observers judge liveness by *change* of the value, timed on their own monotonic clock,
 so no two machines' clocks are ever compared. Heartbeats are sealed sequence numbers
-(:mod:`recovery.auth`), so a forger can neither fake a beat for a dead node nor make a
+(:mod:`recovery.job_store.auth`), so a forger can neither fake a beat for a dead node nor make a
 live one look silent by writing an old value back. The heartbeat thread also puts back
 this agent's owner record (:func:`launcher.membership.reassert_owner`) and the
 generation records if something overwrote them (``docs/security.md`` says what remains
@@ -37,9 +37,10 @@ import torch.distributed as dist
 from launcher.job_store import OP_TIMEOUT_S, StoreUnavailable, connect_store
 from launcher.membership import agent_info, reassert_owner, registered_nodes
 from launcher.peer_link import PeerLinks
-from recovery import auth, protocol, store_address, world
-from recovery.store_address import StoreAddress
-from replication import signing
+from recovery.generation import protocol, world
+from recovery.job_store import auth, store_address
+from recovery.job_store.store_address import StoreAddress
+from replication.side_channel import signing
 
 #: A beat later than this many intervals (plus a second) is reported on the console.
 HEARTBEAT_LATE_FACTOR = 2.0
@@ -125,7 +126,7 @@ class Heartbeat(threading.Thread):
         """Keep the lease alive and put the record back (a forger may have deleted it);
         a lease that expired meanwhile (this agent was stopped for a whole TTL, so its
         peers may already have declared it lost) is replaced by a new one."""
-        from recovery.etcd_store import EtcdLeaseExpired
+        from recovery.job_store.etcd_store import EtcdLeaseExpired
 
         try:
             store.keepalive(lease)  # type: ignore[attr-defined]

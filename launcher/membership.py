@@ -1,6 +1,6 @@
 """Who is in the job and which agent runs which ranks, as recorded in the job store.
 
-Agents coordinate only through keys from :mod:`recovery.protocol`:
+Agents coordinate only through keys from :mod:`recovery.generation.protocol`:
 
 - ``AGENTS_KEY`` lists every agent that ever joined: the ring in which each agent
   watches its next few neighbours' heartbeats (:mod:`launcher.liveness`). Registering
@@ -9,7 +9,7 @@ Agents coordinate only through keys from :mod:`recovery.protocol`:
   moved with a compare-and-set from the lost owner's record, which makes the takeover of
   a lost node's ranks exclusive without depending on which generation each claimer saw.
 
-Every one of these values is sealed with the job key (:mod:`recovery.auth`): a forged or
+Every one of these values is sealed with the job key (:mod:`recovery.job_store.auth`): a forged or
 garbled agents-list entry spoils nothing but itself, and owner records carry an epoch
 that grows with each takeover, so an old one written back is recognised. The heartbeat
 thread puts back this agent's owner record if something overwrote it
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from recovery import auth, protocol
-from replication import signing
+from recovery.generation import protocol
+from recovery.job_store import auth
+from replication.side_channel import signing
 
 
 def register(store: dist.Store, node: int, nproc: int, spare: bool,

@@ -41,10 +41,10 @@ from launcher import membership
 from launcher.liveness import PeerWatch
 from launcher.run_args import RunArgs
 from launcher.worker_procs import SparePool, Worker, stop_processes
-from recovery import protocol, world
-from recovery.causes import FailureCause
-from recovery.config import RecoveryConfig
-from recovery.events import Event
+from recovery.common.causes import FailureCause
+from recovery.common.config import RecoveryConfig
+from recovery.common.events import Event
+from recovery.generation import protocol, world
 from replication.contract import EXIT_FENCED
 
 #: How many heartbeat timeouts a lost group waits for a spare node, or for its own node
@@ -160,7 +160,7 @@ class NodeLossHandling:
 
     def _why_not_shrink(self) -> str | None:
         """Why the job may not shrink (None: it may): ``recovery.on_no_spare``, or what
-        rank 0 found about its state and loader (:mod:`recovery.world_resize`)."""
+        rank 0 found about its state and loader (:mod:`recovery.resize.world_resize`)."""
         if self.rcfg.on_no_spare != "shrink":
             return "recovery.on_no_spare is stop"
         known, why = world.resizability(self.store)

@@ -56,7 +56,7 @@ WARM_MODULES = (
     "torch.distributed",
     "replication",
     "recovery",
-    "recovery.runtime",
+    "recovery.runtime.checkpointless",
     "dataloader_cache",
 )
 
@@ -146,7 +146,8 @@ def warm_cuda(mode: str | None = None) -> list[int]:
     saves the imports, and the script reports the real error.
 
     A spare does not know which local rank it will replace, and the runtime places a
-    rank on ``cuda:(LOCAL_RANK % device_count)`` (:mod:`recovery.device_placement`), so
+    rank on ``cuda:(LOCAL_RANK % device_count)`` (:mod:`recovery.process_group.device_placement`),
+    so
     each mode prepares every device up to ``LOCAL_WORLD_SIZE``:
 
     - ``contexts`` (default): initialise torch's CUDA state (the driver, its device
@@ -196,14 +197,14 @@ def install_worker_hooks() -> None:
     """Import hooks every worker needs before its script runs (fresh or spare).
 
     - ``torch.distributed.init_process_group`` builds the runtime's own process group
-      (:func:`recovery.elastic_init.install_init_hook`), whatever backend the script
+      (:func:`recovery.process_group.init_hook.install_init_hook`), whatever backend the script
       names, so DDP, FSDP2 and the script's own collectives survive recoveries;
     - ``Trainer(strategy="checkpointless")`` registers itself the moment the script
       imports Lightning (:mod:`recovery.integrations.autoload`), so scripts need no import.
     """
-    from recovery import elastic_init
+    from recovery.process_group import init_hook
 
-    elastic_init.install_init_hook()
+    init_hook.install_init_hook()
     try:
         from recovery.integrations import autoload
 
@@ -375,20 +376,20 @@ USAGE_EXIT = 2
 
 def run_assigned(assignment: dict) -> None:
     """:func:`_run_assigned`, noting the status of a ``SystemExit`` that ends it for the
-    runtime's exit guard (:func:`recovery.process_groups.note_exit`)."""
+    runtime's exit guard (:func:`recovery.process_group.training_groups.note_exit`)."""
     try:
         _run_assigned(assignment)
     except SystemExit as exc:
-        from recovery import process_groups
+        from recovery.process_group import training_groups
 
-        process_groups.note_exit(exc.code)
+        training_groups.note_exit(exc.code)
         raise
 
 
 def _run_assigned(assignment: dict) -> None:
     """Run the rank's script as ``python [-m] SCRIPT ARGS`` would. An exception that
     escapes it before this process completed a training step (a bad import, a typo, a
-    missing file) stops the whole job with one line (:mod:`recovery.user_errors`): a
+    missing file) stops the whole job with one line (:mod:`recovery.faults.user_errors`): a
     replacement would fail the same way, so it is never retried."""
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     argv = [str(a) for a in assignment["argv"]]
@@ -398,12 +399,12 @@ def _run_assigned(assignment: dict) -> None:
         release_sigint()
         if os.environ.get(contract.ENV_ON_SIGTERM) == "drain":
             # Slurm signals every process of the step (scancel, preemption); the agent
-            # decides and asks for the drain (recovery.drain). SIG_IGN is inherited by
+            # decides and asks for the drain (recovery.runtime.drain). SIG_IGN is inherited by
             # what the script starts (the durable writer's helper, loader workers).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _run_in_current_world(argv, bool(assignment.get("module")))
     except SystemExit as exc:
-        from recovery import user_errors
+        from recovery.faults import user_errors
 
         # A usage error (exit status 2: argparse, getopt) or an exit with a message
         # (sys.exit("bad config")) before the first step would happen again in a
@@ -415,9 +416,9 @@ def _run_assigned(assignment: dict) -> None:
     except KeyboardInterrupt:
         _interrupted()
     except Exception as exc:
-        from recovery import user_errors
-        from recovery.causes import FailureCause, classify
-        from recovery.errors import Fenced, RecoveryImpossible
+        from recovery.common.causes import FailureCause, classify
+        from recovery.common.errors import Fenced, RecoveryImpossible
+        from recovery.faults import user_errors
 
         if isinstance(exc, RecoveryImpossible):
             # The runtime's verdict, recorded as the job's fatal reason: the agents print
@@ -436,8 +437,9 @@ def _run_assigned(assignment: dict) -> None:
 
 def _run_in_current_world(argv: list[str], module: bool) -> None:
     """Run the script at this process's rank in the job's current world, and again
-    each time the world changes under it (a shrink: :mod:`recovery.world_resize`)."""
-    from recovery import world, world_resize
+    each time the world changes under it (a shrink: :mod:`recovery.resize.world_resize`)."""
+    from recovery.generation import world
+    from recovery.resize import world_resize
 
     while True:
         try:

@@ -3,14 +3,14 @@
 A script (or Lightning) must see an ordinary torchelastic launch, so every variable
 torchrun sets is set here with the same meaning. On top of that, the runtime gets the
 job store, its physical node, the run directory, its heartbeat file and the resolved
-config (the ``CHECKPOINTLESS_INTERNAL_*`` names from :mod:`recovery.protocol`).
+config (the ``CHECKPOINTLESS_INTERNAL_*`` names from :mod:`recovery.generation.protocol`).
 
 ``TORCHELASTIC_USE_AGENT_STORE`` is ``True``, as torchrun's c10d rendezvous sets it:
 MASTER_ADDR/MASTER_PORT name the store node 0's agent already hosts, so a worker's
 ``init_process_group("env://")`` must connect to it as a client. With ``False`` rank 0
 would try to host a second server on the same port and fail with EADDRINUSE.
 
-The job key (sealing the store records the job trusts, ``replication.signing``) reaches
+The job key (sealing the store records the job trusts, ``replication.side_channel.signing``) reaches
 workers in ``CHECKPOINTLESS_INTERNAL_JOB_KEY``; the job secret it is derived from
 (``CHECKPOINTLESS_JOB_SECRET``) is removed, so workers never hold it. ``GLOO_SOCKET_IFNAME``
 is set to the interface ``--bind`` chose, unless the user set it, and NCCL's watchdog
@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher import worker_output
+from recovery.job_store.store_address import ETCD_SCHEME
 from recovery.recipe import RESERVED_ENV_PREFIX
-from recovery.store_address import ETCD_SCHEME
 from replication import contract
 from replication.contract import ENV_JOB_SECRET
 
@@ -98,7 +98,7 @@ class JobEnv:
     config_json: str
     job_key: str = field(default="", repr=False)  # hex; never printed
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME unless the user set one
-    #: The job store as workers reach it (``recovery.store_address``); "" means the
+    #: The job store as workers reach it (``recovery.job_store.store_address``); "" means the
     #: TCPStore at store_host:store_port.
     store_address: str = ""
     #: "drain": workers ignore SIGTERM (see ``contract.ENV_ON_SIGTERM``).

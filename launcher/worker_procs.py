@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from launcher import process_view, worker_output
 from launcher.sigint_hold import sigint_held
 from launcher.zygote import Zygote, ZygoteError
-from recovery import drain
-from recovery.events import Event
+from recovery.common.events import Event
+from recovery.runtime import drain
 from replication.forked import ForkedProcess
 
 SPARE_MODULE = "launcher.spare"

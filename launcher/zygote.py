@@ -63,7 +63,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from launcher.sigint_hold import sigint_held
-from recovery.events import Event
+from recovery.common.events import Event
 from replication.errors import CheckpointlessError
 from replication.forked import ForkedProcess
 

@@ -1,7 +1,7 @@
 """Worker-side recovery: the public runtime API and what happens after a failure.
 
 Exports are loaded lazily so that light users of this package (the recipe loader
-reading ``recovery.config``) do not pay for importing torch.
+reading ``recovery.common.config``) do not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def is_replacement() -> bool:
 
 def __getattr__(name: str) -> Any:
     if name == "Checkpointless":
-        from recovery.runtime import Checkpointless
+        from recovery.runtime.checkpointless import Checkpointless
 
         return Checkpointless
     if name == "CheckpointlessError":
@@ -41,7 +41,7 @@ def __getattr__(name: str) -> Any:
 
         return CheckpointlessError
     if name in ("FailureDetected", "InjectedFault", "RecoveryImpossible"):
-        from recovery import errors
+        from recovery.common import errors
 
         return getattr(errors, name)
     raise AttributeError(f"module 'recovery' has no attribute {name!r}")

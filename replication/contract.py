@@ -5,7 +5,7 @@ workers and warm spares, the durable writer's helper, the cached loader. They ar
 interface between processes, so each is defined here once, and this module imports
 only the standard library: the lowest layer (``replication``, ``dataloader_cache``)
 and the highest (``launcher``) can all import it without pulling in anything else.
-Store keys are a different contract and live in ``recovery.protocol``.
+Store keys are a different contract and live in ``recovery.generation.protocol``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ ENV_HEARTBEAT = f"{INTERNAL_PREFIX}HEARTBEAT"  # file whose mtime the agent watc
 ENV_JOB_ID = f"{INTERNAL_PREFIX}JOB_ID"  # the job id (torchrun's --rdzv-id)
 ENV_REPLACEMENT = f"{INTERNAL_PREFIX}REPLACEMENT"  # "1": a replacement joining mid-job
 #: "drain": a SIGTERM is the scheduler's, sent to every process of the job step; workers
-#: ignore it and their agent stops them (``recovery.drain``). Unset: the default action.
+#: ignore it and their agent stops them (``recovery.runtime.drain``). Unset: the default action.
 ENV_ON_SIGTERM = f"{INTERNAL_PREFIX}ON_SIGTERM"
-#: The job key (hex) that seals trusted records (``replication.signing``); never logged.
+#: The job key (hex) that seals trusted records (``replication.side_channel.signing``); never
+#: logged.
 ENV_JOB_KEY = f"{INTERNAL_PREFIX}JOB_KEY"
 #: The resolved recipe as JSON, from the launcher to its workers (``recovery.recipe``).
 ENV_CONFIG = "CHECKPOINTLESS_CONFIG_JSON"

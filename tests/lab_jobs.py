@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from recovery.protocol import read_events
+from recovery.generation.protocol import read_events
 from tests import netns
 from tests.recovery_harness import (
     REPO,

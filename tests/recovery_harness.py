@@ -9,7 +9,7 @@ exit codes, each agent's stdout/stderr, the ``final_rank<r>.json`` files and the
 happened, so a hung job can never outlive its test.
 
 Only the public surface is used: the ``checkpointless run`` command line, the files the
-training script writes and the events file (``recovery.protocol.read_events``).
+training script writes and the events file (``recovery.generation.protocol.read_events``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class JobResult:
         return text[-tail:]
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        from recovery.protocol import read_events
+        from recovery.generation.protocol import read_events
 
         found = read_events(self.run_dir / "events.jsonl")
         return [e for e in found if name is None or e.get("event") == name]

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replication.abortable_gloo import AbortableGloo
-from replication.transport import SideChannel, TransportError
+from replication.side_channel.abortable_gloo import AbortableGloo
+from replication.side_channel.transport import SideChannel, TransportError
 
 FAULTS = ("kill", "stop", "abort_first")
 
@@ -70,7 +70,7 @@ def main() -> None:
         AbortableGloo.abort = lambda self: 0  # type: ignore[method-assign]
     rng = random.Random(seed)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "replication.transport"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "replication.side_channel.transport"])
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30))
     gaps: list[float] = []
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 WORKER = textwrap.dedent("""
     import datetime, json, os, sys, time
     import torch, torch.distributed as dist
-    from replication.abortable_gloo import AbortableGloo
+    from replication.side_channel.abortable_gloo import AbortableGloo
 
     rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0,
@@ -119,8 +119,8 @@ def test_abort_after_the_peer_was_killed_never_raises_and_frees_threads():
 CONNECT = textwrap.dedent("""
     import datetime, json, sys, time
     import torch, torch.distributed as dist
-    from replication.abortable_gloo import AbortableGloo
-    from replication.interruptible_store import StoreWaitInterrupted
+    from replication.side_channel.abortable_gloo import AbortableGloo
+    from replication.side_channel.interruptible_store import StoreWaitInterrupted
 
     rank, port, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     store = dist.TCPStore("127.0.0.1", port, None, False,

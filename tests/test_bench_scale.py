@@ -14,8 +14,8 @@ import pytest
 
 from benchmarks import scale_model as M
 from benchmarks import scale_sim as S
-from replication import signing
-from replication.commit_tree import depth_of
+from replication.replica_protocol.commit_tree import depth_of
+from replication.side_channel import signing
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def pool():
 
 
 def _record(store):
-    from replication.commit import COMMITTED_KEY
+    from replication.replica_protocol.commit import COMMITTED_KEY
 
     def record(step: int) -> None:  # as Replicator._record_committed
         store.set(COMMITTED_KEY, signing.seal(COMMITTED_KEY, str(step)))

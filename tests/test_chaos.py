@@ -36,7 +36,7 @@ from launcher.chaos.schedule import (
     parse_mix,
 )
 from launcher.chaos.soak import Options
-from recovery.fault_spec import parse_faults
+from recovery.faults.spec import parse_faults
 
 REPO = Path(__file__).resolve().parents[1]
 TOPO = Topology(nnodes=2, nproc=2, factor=2)

@@ -16,12 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from replication import checksum, codec
-from replication.digest_copy import compute_digests
-from replication.layout import flatten, unflatten_segment
-from replication.snapshot import SnapshotEngine, restore_from_buffer
-from replication.snapshot_meta import SnapshotError, SnapshotMeta
-from replication.state import TrainingState
+from replication.snapshots import checksum
+from replication.snapshots.digest_copy import compute_digests
+from replication.snapshots.snapshot import SnapshotEngine, restore_from_buffer
+from replication.training_state import codec
+from replication.training_state.layout import flatten, unflatten_segment
+from replication.training_state.snapshot_meta import SnapshotError, SnapshotMeta
+from replication.training_state.state import TrainingState
 from tests.helpers.training import Holder, assert_tree_equal
 
 FUZZ = settings(

@@ -1,4 +1,5 @@
-"""The tree commit (replication.commit_tree): its shape, and the agreement run by threads
+"""The tree commit (replication.replica_protocol.commit_tree): its shape, and the agreement run by
+threads
 over an in-memory transport. The same code over gloo runs in every multi-process test
 (tests/test_replication_mp.py, the fault tests): this file checks what those cannot
 force, the orderings."""
@@ -10,7 +11,7 @@ import threading
 
 import pytest
 
-from replication.commit_tree import (
+from replication.replica_protocol.commit_tree import (
     ACK,
     DONE,
     CommitDisagreement,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from recovery.auto_interval import AGREE_EVERY
+from recovery.schedules.auto_interval import AGREE_EVERY
 from tests.recovery_harness import (
     assert_recovered,
     assert_same_final,

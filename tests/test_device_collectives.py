@@ -1,6 +1,6 @@
 """Collectives on device tensors through the runtime's process group, checked on CPU.
 
-The owned group (:mod:`recovery.elastic_group`) hands out works of its own over the
+The owned group (:mod:`recovery.process_group.owned_group`) hands out works of its own over the
 inner backend's. Two things go wrong on a GPU that a CPU run with real gloo never shows:
 
 - **stream ordering**: NCCL's future completes once its kernel is enqueued, gloo's (CUDA
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions
 
-from recovery.elastic_controller import Controller, _Inner
-from recovery.elastic_group import ElasticProcessGroup
-from recovery.errors import CollectiveAborted
+from recovery.common.errors import CollectiveAborted
+from recovery.process_group.controller import Controller, _Inner
+from recovery.process_group.owned_group import ElasticProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,7 +115,8 @@ class _StubBackend:
         self.works.append(work)
         return work
 
-    # The ordered lane's two phases (recovery.ordered_sum): recorded, completed at once.
+    # The ordered lane's two phases (recovery.process_group.ordered_sum): recorded, completed at
+    # once.
     def alltoall_base(self, out: torch.Tensor, inp: torch.Tensor, *args: Any) -> _StubWork:
         self.calls.append("alltoall_base")
         out.copy_(inp)
@@ -193,7 +194,7 @@ def test_wait_sees_a_result_the_inner_works_wait_writes():
 def test_gloo_cpu_works_are_not_waited_twice():
     """gloo's CPU future completes once the result is written: its work is not waited
     on again (a thread hand-off per collective, on the hot path)."""
-    from recovery.elastic_group import waits_on_inner
+    from recovery.process_group.owned_group import waits_on_inner
 
     stub = _StubBackend(torch.ones(2))
     group = _group(_StubController({"cpu": "gloo"}, {"cpu": stub}), 2)

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from recovery.recipe import load_config
-from replication import device_tier
 from replication.config import ReplicationConfig
-from replication.device_tier import DeviceTier, DeviceTierError
-from replication.digest_copy import compute_digests, verify_segments
-from replication.layout import flatten
-from replication.snapshot import SnapshotEngine
-from replication.snapshot_meta import SnapshotError
-from replication.state import TrainingState
+from replication.snapshots import device_tier
+from replication.snapshots.device_tier import DeviceTier, DeviceTierError
+from replication.snapshots.digest_copy import compute_digests, verify_segments
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.layout import flatten
+from replication.training_state.snapshot_meta import SnapshotError
+from replication.training_state.state import TrainingState
 from tests.helpers.training import digest, make_model, seed_all, train_step
 
 CPU = torch.device("cpu")
@@ -168,7 +168,7 @@ def test_a_required_device_tier_that_does_not_fit_is_an_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_cuda_on_a_host_without_cuda_is_one_clear_error_at_start():
-    from replication.replicator import Replicator
+    from replication.replica_protocol.replicator import Replicator
 
     with pytest.raises(DeviceTierError) as info:
         Replicator(TrainingState(), store=torch.distributed.HashStore(), rank=0,
@@ -190,7 +190,7 @@ def test_the_default_is_auto():
 @pytest.mark.parametrize(("value", "tiered"), [("cpu", False), ("host", False), ("auto", True)])
 def test_the_replicator_builds_the_tier_the_setting_names(value, tiered):
     """'cpu' (older recipes) is the host tier, as 'host' is; 'auto' may use a device."""
-    from replication.replicator import Replicator
+    from replication.replica_protocol.replicator import Replicator
 
     rep = Replicator(TrainingState(), store=torch.distributed.HashStore(), rank=0,
                      world_size=1, node=0, config=ReplicationConfig(device=value, factor=1))
@@ -310,7 +310,7 @@ def test_two_processes_replicate_and_restore_bit_exactly_through_the_device_tier
 
 def _worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     """The replication worker, its replicator's device tier on the CPU."""
-    from replication.replicator import Replicator
+    from replication.replica_protocol.replicator import Replicator
     from tests.workers import replication_worker as worker
 
     made: list[Replicator] = []

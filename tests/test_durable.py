@@ -31,7 +31,7 @@ from replication.durable import (
     verify,
 )
 from replication.durable.format import load_dcp_metadata
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.helpers.training import assert_tree_equal, make_model, rng_draws
 from tests.test_durable_support import (
     config,
@@ -203,7 +203,7 @@ def test_should_persist_schedule(tmp_path):
     both = make_writer(config(str(tmp_path), every_n_steps=10, interval_s=60.0), 0, 1)
     assert not both.should_persist(7, now=0.0) and both.should_persist(10, now=0.0)
     # The caller knows the snapshot before: a save slips to the first snapshot after its
-    # multiple instead of vanishing (recovery.save_schedule).
+    # multiple instead of vanishing (recovery.schedules.save_schedule).
     assert every.should_persist(11, steps_due=True)
     assert not every.should_persist(10, steps_due=False)
     off = make_writer(config("", every_n_steps=1), 0, 1)
@@ -422,7 +422,7 @@ def test_direct_file_falls_back_when_the_filesystem_refuses_direct_writes(tmp_pa
 
 def test_staging_is_paced_unless_the_caller_needs_its_buffer_sooner(tmp_path, monkeypatch):
     from replication.durable import staging as staging_module
-    from replication.state import TrainingState
+    from replication.training_state.state import TrainingState
     from tests.helpers.training import Holder
 
     # 32 MB paced at 25 MB/s: 1.28 s. Unpaced, the copy took 0.05 s on an idle host and
@@ -473,7 +473,7 @@ def test_save_schedule_slips_a_save_and_survives_a_restore():
     """Snapshots every 4 steps, saves every 10: each save is made at the first snapshot
     at or after its multiple; a restore to a snapshot brings back the one before it, so
     a rank restored there (a replacement) decides that step as the others did."""
-    from recovery.save_schedule import SaveSchedule, crosses
+    from recovery.schedules.save_schedule import SaveSchedule, crosses
 
     schedule, due = SaveSchedule(), []
     schedule.before_capture(0)

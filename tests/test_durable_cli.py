@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import main
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.test_durable_support import config, make_state, make_writer, persist, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist saves

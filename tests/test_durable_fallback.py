@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery.protocol import read_events
+from recovery.generation.protocol import read_events
 from replication.durable import list_checkpoints
 from tests.recovery_harness import (
     assert_failed_cleanly,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replication.durable import list_checkpoints, load, prune, read_history, scan
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.helpers.training import assert_tree_equal
 from tests.test_durable_support import (
     config,
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 KILL_SCRIPT = r"""
 import sys, time, torch
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.test_durable_support import config, faulty, make_state, make_writer, persist
 from tests.test_durable_support import snapshot, train
 

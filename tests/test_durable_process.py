@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from replication.durable import DurableWriter, list_checkpoints, load, scan
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.test_durable_support import config, make_state, persist, snapshot, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist saves

@@ -17,7 +17,7 @@ import torch
 
 from examples.gpt import CharData, TinyGPT, lr_lambda, make_corpus, state_digest
 from replication.durable import latest_checkpoint, list_checkpoints, load, read_history
-from replication.state import TrainingState
+from replication.training_state.state import TrainingState
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 12

@@ -17,7 +17,7 @@ from replication.durable import (
     read_history,
     verify,
 )
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.helpers.training import assert_tree_equal, make_model
 from tests.s3_server import moto_s3
 from tests.test_durable_support import config, make_state, make_writer, persist, train

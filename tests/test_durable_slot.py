@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from replication.config import MemoryConfig, ReplicationConfig
 from replication.durable import DurableWriter, list_checkpoints, load, read_snapshot
-from replication.memory import MemoryBudgetError, MemoryPlan
-from replication.replicator import Replicator
-from replication.slots import shared_keys, shared_location
-from replication.snapshot import SnapshotEngine
-from replication.state import TrainingState
+from replication.replica_protocol.replicator import Replicator
+from replication.snapshots.memory import MemoryBudgetError, MemoryPlan
+from replication.snapshots.slots import shared_keys, shared_location
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.state import TrainingState
 from tests.helpers.training import Holder, assert_tree_equal
 from tests.test_durable_support import config, make_state, snapshot, train
 
@@ -222,7 +222,7 @@ def test_a_save_that_holds_its_slot_too_long_can_be_cancelled(tmp_path):
 KILL_SCRIPT = r"""
 import sys, time
 from replication.durable import DurableWriter
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.test_durable_support import config, make_state, make_writer, persist
 from tests.test_durable_support import snapshot, train
 

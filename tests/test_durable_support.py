@@ -22,9 +22,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from replication.config import PersistenceConfig
 from replication.durable import DurableWriter, SaveResult
-from replication.snapshot import SnapshotEngine
-from replication.snapshot_meta import SnapshotMeta
-from replication.state import TrainingState
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.snapshot_meta import SnapshotMeta
+from replication.training_state.state import TrainingState
 from tests.helpers.training import LoopState, make_model, seed_all, train_step
 
 PROTOCOL = "faultyfs"

@@ -22,18 +22,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from recovery.durable_tier import DurableTier
-from recovery.protocol import EventLog
+from recovery.durable.tier import DurableTier
+from recovery.generation.protocol import EventLog
 from recovery.recipe import load_config
 from replication.durable import read_history
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.test_durable_support import make_state, snapshot, train
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class Rounds:
-    """The part of a :class:`replication.replicator.Replicator` the durable tier reads."""
+    """The part of a :class:`replication.replica_protocol.replicator.Replicator` the durable tier
+    reads."""
 
     def __init__(self, engine: SnapshotEngine) -> None:
         self.engine = engine

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from recovery import store_address
+from recovery.job_store import store_address
 from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
 from tests.recovery_harness import (
     REPO,
@@ -148,9 +148,9 @@ def test_a_forged_record_written_into_etcd_is_refused(tmp_path, cluster, referen
     """Anyone who can reach etcd can write a key: a fatal flag forged straight into the
     job's prefix (not sealed with the job key) is ignored and reported, and the job
     ends bit-identical."""
-    from recovery import protocol
-    from recovery.etcd_store import EtcdStore
-    from recovery.protocol import read_events
+    from recovery.generation import protocol
+    from recovery.generation.protocol import read_events
+    from recovery.job_store.etcd_store import EtcdStore
 
     def forge(run_dir):
         deadline = time.monotonic() + 60
@@ -173,7 +173,7 @@ def test_a_forged_record_written_into_etcd_is_refused(tmp_path, cluster, referen
 
 
 def _wait_for_step(run_dir, step: int, timeout_s: float = 60.0) -> None:
-    from recovery.protocol import read_events
+    from recovery.generation.protocol import read_events
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

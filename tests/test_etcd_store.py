@@ -16,12 +16,18 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from recovery import auth, protocol
-from recovery.etcd_store import EtcdLeaseExpired, EtcdStore, EtcdStoreTimeout, EtcdUnavailable
-from replication import signing
-from replication.commit import CommitLedger
+from recovery.generation import protocol
+from recovery.job_store import auth
+from recovery.job_store.etcd_store import (
+    EtcdLeaseExpired,
+    EtcdStore,
+    EtcdStoreTimeout,
+    EtcdUnavailable,
+)
 from replication.errors import CheckpointlessError
-from replication.signing import Signer
+from replication.replica_protocol.commit import CommitLedger
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
 from tests.helpers.mp import free_port, run_workers
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery.protocol import read_events
+from recovery.generation.protocol import read_events
 from tests.recovery_harness import (
     TRAIN_ARGS,
     assert_same_final,

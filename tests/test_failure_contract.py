@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from recovery.causes import CONSEQUENTIAL, FailureCause, classify, describe
-from recovery.errors import CollectiveAborted, FailureDetected, InjectedFault
-from recovery.events import Event
-from recovery.protocol import EventLog, failure_identity
-from replication.replicator import ReplicationError
-from replication.transport import TransportError
+from recovery.common.causes import CONSEQUENTIAL, FailureCause, classify, describe
+from recovery.common.errors import CollectiveAborted, FailureDetected, InjectedFault
+from recovery.common.events import Event
+from recovery.generation.protocol import EventLog, failure_identity
+from replication.replica_protocol.replicator import ReplicationError
+from replication.side_channel.transport import TransportError
 
 ROOT = Path(__file__).resolve().parent.parent
 

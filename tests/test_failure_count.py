@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from recovery import protocol
-from replication import signing
-from replication.signing import Signer
+from recovery.generation import protocol
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 from tests.helpers.mp import free_port, tcp_store
 
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from launcher.cli import main
 from replication import durable
 from replication.durable import DurableError
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.helpers.training import assert_tree_equal
 from tests.test_durable_support import config, make_state, make_writer, persist, train
 

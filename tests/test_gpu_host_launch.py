@@ -24,8 +24,8 @@ import torch
 
 from launcher import worker_env, zygote
 from launcher.worker_env import JobEnv
-from recovery import device_placement
-from recovery.env import WorkerEnv
+from recovery.common.env import WorkerEnv
+from recovery.process_group import device_placement
 from tests.recovery_harness import REPO, clean_env
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="fork + subreaper: Linux")
@@ -277,7 +277,7 @@ def test_the_runtimes_start_puts_a_rank_on_its_local_ranks_gpu(monkeypatch, tmp_
     """A replacement gets the dead rank's LOCAL_RANK: the runtime's start, before
     anything else, makes ``cuda:(LOCAL_RANK % device_count)`` the current device (when
     CUDA initialises, so that nothing before it ran on another GPU)."""
-    from recovery.runtime import Checkpointless
+    from recovery.runtime.checkpointless import Checkpointless
 
     cuda = _Cuda(monkeypatch, count=4)
 
@@ -331,7 +331,7 @@ def test_init_process_group_under_the_launcher_places_the_rank_before_the_model_
         monkeypatch):
     """Scripts call ``init_process_group`` and then move their model to ``cuda``: the
     wrapped call chooses LOCAL_RANK's GPU first, or the ``device_id`` the script names."""
-    from recovery import elastic_init
+    from recovery.process_group import init_hook
 
     cuda = _Cuda(monkeypatch, count=4)
     placed: list[int] = []
@@ -343,7 +343,7 @@ def test_init_process_group_under_the_launcher_places_the_rank_before_the_model_
     monkeypatch.setattr(device_placement, "place", stop)
     env = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}
     with pytest.raises(_Placed):
-        elastic_init.join_default_group(6, 8, {"cpu": "gloo"}, None, env=env)
+        init_hook.join_default_group(6, 8, {"cpu": "gloo"}, None, env=env)
     assert placed == [2]
 
     def stop_at_set(index) -> None:
@@ -352,7 +352,7 @@ def test_init_process_group_under_the_launcher_places_the_rank_before_the_model_
 
     monkeypatch.setattr(torch.cuda, "set_device", stop_at_set)
     with pytest.raises(_Placed):
-        elastic_init.join_default_group(6, 8, {"cpu": "gloo"}, None, env=env,
+        init_hook.join_default_group(6, 8, {"cpu": "gloo"}, None, env=env,
                                         device_id=torch.device("cuda", 1))
     assert cuda.set == [torch.device("cuda", 1)] and placed == [2]
 

@@ -1,5 +1,5 @@
-"""Which inner backend serves each device (``recovery/elastic_init.py``), and the NCCL
-backend options a generation is built with (``recovery/nccl_inner.py``).
+"""Which inner backend serves each device (``recovery/process_group/init_hook.py``), and the NCCL
+backend options a generation is built with (``recovery/process_group/nccl_inner.py``).
 
 This host's torch has no NCCL, so the options are built from stand-ins of torch's
 ``ProcessGroupNCCL.Options`` shape (a ``config`` with a ``blocking`` field, as torch's
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 
-from recovery import nccl_inner
+from recovery.process_group import nccl_inner
 
 
 class _Config:
@@ -74,7 +74,7 @@ def test_a_gloo_script_on_a_gpu_host_gets_gloo_for_cuda_tensors_too(monkeypatch)
     stays CPU-only elsewhere (no second inner group per generation on CPU hosts)."""
     import torch
 
-    from recovery.elastic_init import inner_backends_for
+    from recovery.process_group.init_hook import inner_backends_for
 
     assert inner_backends_for("gloo") == {"cpu": "gloo"}  # this host: no CUDA
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

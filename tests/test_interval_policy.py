@@ -1,4 +1,4 @@
-"""The snapshot interval policy (recovery/interval_policy.py): pure arithmetic, no job."""
+"""The snapshot interval policy (recovery/schedules/interval_policy.py): pure arithmetic, no job."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from recovery.interval_policy import (
+from recovery.schedules.interval_policy import (
     IntervalPolicy,
     choose_interval,
     daly_interval_s,
@@ -184,11 +184,11 @@ def test_recipe_accepts_auto_and_the_budget(tmp_path) -> None:
     assert "'auto'" in str(err.value)
 
 
-# -- the runtime's adapter (recovery/auto_interval.py), without a job -----------------
+# -- the runtime's adapter (recovery/schedules/auto_interval.py), without a job -----------------
 def test_auto_interval_agrees_applies_and_survives_a_rollback(monkeypatch) -> None:
-    from recovery import auto_interval
     from recovery.recipe import CheckpointlessConfig
-    from replication.state import TrainingState
+    from recovery.schedules import auto_interval
+    from replication.training_state.state import TrainingState
 
     class Log:
         def __init__(self) -> None:
@@ -241,9 +241,9 @@ def test_ranks_proposing_for_different_reasons_put_one_interval_in_force(monkeyp
     replicated")."""
     import threading
 
-    from recovery import auto_interval
     from recovery.recipe import CheckpointlessConfig
-    from replication.state import TrainingState
+    from recovery.schedules import auto_interval
+    from replication.training_state.state import TrainingState
 
     class Log:
         def emit(self, event: str, **fields: object) -> None:
@@ -286,10 +286,10 @@ def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one(monkeypatch)
     """With ``recovery.mtbf_s`` unset, the interval is Daly's optimum for an assumed MTBF
     until failures are seen, then for their observed rate (ADR 0032); a replacement
     learns how long the job has run from the state it receives."""
-    from recovery import auto_interval
-    from recovery.interval_policy import ASSUMED_MTBF_S
     from recovery.recipe import CheckpointlessConfig
-    from replication.state import TrainingState
+    from recovery.schedules import auto_interval
+    from recovery.schedules.interval_policy import ASSUMED_MTBF_S
+    from replication.training_state.state import TrainingState
 
     class Log:
         def __init__(self) -> None:
@@ -333,8 +333,8 @@ def test_auto_interval_assumes_an_mtbf_then_learns_the_observed_one(monkeypatch)
 
 
 def test_the_start_up_line_says_the_interval_and_what_a_failure_replays() -> None:
-    from recovery.auto_interval import startup_line
     from recovery.recipe import CheckpointlessConfig
+    from recovery.schedules.auto_interval import startup_line
 
     c = CheckpointlessConfig()
     line = startup_line(c)
@@ -355,8 +355,8 @@ def test_a_replicator_with_more_copies_than_processes_follows_the_interval_in_fo
     import torch.distributed as dist
 
     from replication.config import ReplicationConfig
-    from replication.replicator import Replicator
-    from replication.state import TrainingState
+    from replication.replica_protocol.replicator import Replicator
+    from replication.training_state.state import TrainingState
 
     settings = ReplicationConfig(factor=2, timeout_s=10, every_n_steps=8)
     state = TrainingState()
@@ -375,7 +375,7 @@ def test_frequent_failures_override_the_budget() -> None:
     """When the budget's interval would lose more to replays than the budget itself,
     Daly's optimum is taken even though its snapshots cost more (ADR 0032): in a chaos
     soak (a failure every 2 s) the budget's 470 steps would never commit."""
-    from recovery.interval_policy import choose_interval
+    from recovery.schedules.interval_policy import choose_interval
 
     ch = choose_interval(step_s=0.031, snapshot_cost_s=0.291, mtbf_s=2.0)
     assert ch.every_n_steps == ch.n_daly < ch.n_budget
@@ -387,7 +387,7 @@ def test_frequent_failures_override_the_budget() -> None:
 
 def test_an_interrupted_interval_is_no_sample() -> None:
     """Steps around a recovery run slow; they must not read as a snapshot's cost."""
-    from recovery.interval_policy import IntervalPolicy
+    from recovery.schedules.interval_policy import IntervalPolicy
 
     p = IntervalPolicy(probe_every=4, settle_steps=1)
     for i in range(1, 9):  # two clean intervals: 10 ms per snapshot on 100 ms steps

@@ -49,7 +49,7 @@ from lightning.fabric.utilities import optimizer as fabric_optimizer
 from lightning.pytorch.strategies import strategy as strategy_module
 from torch.utils.data import DataLoader, TensorDataset
 
-import recovery.runtime
+import recovery.runtime.checkpointless
 
 LAUNCHED = "CHECKPOINTLESS_INTERNAL_STORE" in os.environ
 if not LAUNCHED:
@@ -103,7 +103,7 @@ def wrap_setup_device(cls):
 
     cls.setup_device = setup_device
 
-original_session_init = recovery.runtime.Checkpointless.__init__
+original_session_init = recovery.runtime.checkpointless.Checkpointless.__init__
 
 
 def session_init(self, *args, **kwargs):
@@ -111,7 +111,7 @@ def session_init(self, *args, **kwargs):
     return original_session_init(self, *args, **kwargs)
 
 
-recovery.runtime.Checkpointless.__init__ = session_init
+recovery.runtime.checkpointless.Checkpointless.__init__ = session_init
 
 original_fit_impl = L.Trainer._fit_impl
 
@@ -253,8 +253,8 @@ def test_runtime_has_a_cuda_backend_on_gpus(backend, cuda_inner):
     inner backend for CUDA tensors (DDP's gradients); CPU runs stay gloo-only."""
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from recovery.elastic_init import inner_backends_for
     from recovery.integrations.lightning import CheckpointlessStrategy
+    from recovery.process_group.init_hook import inner_backends_for
 
     strategy = CheckpointlessStrategy(process_group_backend=backend,
                                       cluster_environment=LightningEnvironment(),

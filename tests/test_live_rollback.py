@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from recovery.protocol import JoinRecord
-from recovery.rendezvous import RecoveryPlan, choose_plan
-from replication.checksum import ChecksumMismatch
-from replication.marks import Mark, MarkBook, large_entries
-from replication.state import TrainingState
+from recovery.generation.protocol import JoinRecord
+from recovery.generation.rendezvous import RecoveryPlan, choose_plan
+from replication.replica_protocol.marks import Mark, MarkBook, large_entries
+from replication.snapshots.checksum import ChecksumMismatch
+from replication.training_state.state import TrainingState
 from tests import recovery_harness as h
 
 # -- which entries a mark holds ---------------------------------------------------------------

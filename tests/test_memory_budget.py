@@ -9,16 +9,16 @@ import torch
 import torch.distributed as dist
 
 from replication.config import MemoryConfig, ReplicationConfig
-from replication.layout import flatten
-from replication.memory import (
+from replication.replica_protocol.replicator import Replicator
+from replication.snapshots.memory import (
     MemoryBudgetError,
     MemoryPlan,
     check_budget,
     host_budget_bytes,
     lazy_optimizer_bytes,
 )
-from replication.replicator import Replicator
-from replication.state import TrainingState
+from replication.training_state.layout import flatten
+from replication.training_state.state import TrainingState
 from tests.helpers.mp import free_port, run_workers
 from tests.helpers.training import Holder
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from replication.config import ReplicationConfig
-from replication.digest_copy import compute_digests
-from replication.overlap import COPY_NICE, DEFER_MIN_BYTES, SnapshotTorn, run_niced
-from replication.snapshot import SnapshotEngine
-from replication.state import TrainingState
+from replication.snapshots.digest_copy import compute_digests
+from replication.snapshots.overlap import COPY_NICE, DEFER_MIN_BYTES, SnapshotTorn, run_niced
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.state import TrainingState
 from tests.helpers.training import assert_tree_equal
 
 
@@ -350,7 +350,7 @@ def test_a_round_abandoned_before_sealing_cannot_finish_a_reused_slot(monkeypatc
     stamping its step's digests on the new snapshot (found in review)."""
     engine, model, opt, batch = _setup()
     go = threading.Event()
-    monkeypatch.setattr("replication.overlap.run_niced", lambda fn: go.wait(10))
+    monkeypatch.setattr("replication.snapshots.overlap.run_niced", lambda fn: go.wait(10))
     slot = engine.capture(1)
     errors: list[BaseException] = []
 

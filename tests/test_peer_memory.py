@@ -1,4 +1,4 @@
-"""Reading another process's shared snapshot slot in place (replication.peer_memory):
+"""Reading another process's shared snapshot slot in place (replication.side_channel.peer_memory):
 real processes, real memfds. What must never happen is a mapping of the wrong memory:
 every way an offer can fail to match answers ``None``."""
 
@@ -10,12 +10,12 @@ import sys
 
 import torch
 
-from replication.peer_memory import SharedOffer, map_offer, offer
-from replication.slots import allocate_host, allocate_shared
+from replication.side_channel.peer_memory import SharedOffer, map_offer, offer
+from replication.snapshots.slots import allocate_host, allocate_shared
 
 _READER = """
 import sys, torch
-from replication.peer_memory import SharedOffer, map_offer
+from replication.side_channel.peer_memory import SharedOffer, map_offer
 got = map_offer(SharedOffer.from_tensor(torch.tensor([int(x) for x in sys.argv[1:]])))
 print("none" if got is None else f"{got.numel()} {int(got.sum())} {got[:3].tolist()}")
 """

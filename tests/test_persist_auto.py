@@ -37,7 +37,7 @@ import torch
 
 from examples.gpt import CharData, TinyGPT, lr_lambda, make_corpus, state_digest
 from replication.durable import latest_checkpoint, list_checkpoints, load, read_history, verify
-from replication.state import TrainingState
+from replication.training_state.state import TrainingState
 from tests.recovery_harness import (
     REPO,
     assert_recovered,
@@ -200,7 +200,7 @@ def test_a_resumed_job_with_both_tiers_on_auto_keeps_saves_on_snapshots(job_a, t
     assert saved[0][-1] == saved[1][-1] == STEPS_B, saved
     # Each on a committed snapshot, at the first one at or after a multiple of a save
     # interval in force (a multiple with no snapshot of its own, after the snapshot
-    # interval changed, is saved at the next snapshot: recovery.save_schedule).
+    # interval changed, is saved at the next snapshot: recovery.schedules.save_schedule).
     gap = max([8, *snaps.values()])
     for s in sorted(set(saved[0]) | set(saved[1]))[:-1]:
         assert any(s - s // n * n < gap for n in

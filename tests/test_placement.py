@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replication.placement import (
+from replication.replica_protocol.placement import (
     PlacementError,
     nodes_of,
     place_replicas,

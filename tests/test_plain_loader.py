@@ -27,9 +27,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from recovery import loader_position
-from recovery.errors import RecoveryImpossible
-from replication.state import StateRegistrationError, TrainingState
+from recovery.common.errors import RecoveryImpossible
+from recovery.loader import loader_position
+from replication.training_state.state import StateRegistrationError, TrainingState
 from tests.recovery_harness import assert_same_final, assert_succeeded, run_job
 
 SCRIPT = "examples/train_ddp_epochs.py"

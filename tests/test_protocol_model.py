@@ -5,7 +5,7 @@ A hypothesis state machine drives the real protocol code on a real c10d store
 ``protocol.declare_failure``, ``protocol.current_generation``,
 ``protocol.generation_of_process``, ``rendezvous.publish_join`` (the sealed record and
 the join count that elects the planner) / ``rendezvous.joined_records``, and
-``replication.commit.CommitLedger``. What it models
+``replication.replica_protocol.commit.CommitLedger``. What it models
 is only who calls them when: 3 ranks, up to 3 SIGKILLs at any moment, agents that
 notice a death late and declare from a stale view (any generation from the one the
 process started in to the newest one it took part in), survivors that declare when
@@ -48,11 +48,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from recovery import protocol
-from recovery.rendezvous import joined_records, publish_join
-from replication import signing
-from replication.commit import CommitLedger, committed_step
-from replication.signing import Signer
+from recovery.generation import protocol
+from recovery.generation.rendezvous import joined_records, publish_join
+from replication.replica_protocol.commit import CommitLedger, committed_step
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 
 WORLD = 3
 MAX_FAILURES = 3

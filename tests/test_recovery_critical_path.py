@@ -17,20 +17,21 @@ from typing import Any
 import pytest
 import torch
 
-from recovery import elastic_init, gradient_average, live_rollback
-from recovery.elastic_controller import controller
-from recovery.elastic_group import ElasticProcessGroup
-from recovery.rendezvous import GenerationChanged, RecoveryPlan
-from replication.marks import MarkBook
-from replication.snapshot import SnapshotEngine
-from replication.state import TrainingState
+from recovery.generation.rendezvous import GenerationChanged, RecoveryPlan
+from recovery.process_group import init_hook
+from recovery.process_group.controller import controller
+from recovery.process_group.owned_group import ElasticProcessGroup
+from recovery.runtime import gradient_average, live_rollback
+from replication.replica_protocol.marks import MarkBook
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.state import TrainingState
 
 # -- the survivor's capture ahead of the plan ------------------------------------------------
 
 
 class _Interval:
     """The snapshot interval in force, part of the state as with ``every_n_steps: auto``
-    (``recovery.auto_interval``): a small entry, so each step's mark holds it."""
+    (``recovery.schedules.auto_interval``): a small entry, so each step's mark holds it."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -210,7 +211,7 @@ def test_the_weight_broadcast_of_a_replacement_not_yet_joined_is_skipped(monkeyp
     calls: list[Any] = []
     monkeypatch.setattr(dist_utils, "_sync_params_and_buffers",
                         lambda group, *args, **kw: calls.append(group))
-    elastic_init._install_module_sync_hook()
+    init_hook._install_module_sync_hook()
     hooked = dist_utils._sync_params_and_buffers
     group = ElasticProcessGroup(controller(), 1, 2, [0, 1], "test-sync-hook")
     tensors = [torch.randn(3), torch.randn(2)]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery.protocol import read_events
+from recovery.generation.protocol import read_events
 from replication import contract
 from tests.recovery_harness import (
     TRAIN_ARGS,

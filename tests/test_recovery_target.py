@@ -16,13 +16,13 @@ import uuid
 
 import pytest
 
-from recovery.errors import RecoveryImpossible
-from recovery.etcd_store import EtcdStore
-from recovery.protocol import JoinRecord
-from recovery.rendezvous import FRESH_START, choose_plan, make_plan
-from replication import signing
-from replication.commit import committed_step
-from replication.commit_record import CommittedRecorder
+from recovery.common.errors import RecoveryImpossible
+from recovery.generation.protocol import JoinRecord
+from recovery.generation.rendezvous import FRESH_START, choose_plan, make_plan
+from recovery.job_store.etcd_store import EtcdStore
+from replication.replica_protocol.commit import committed_step
+from replication.replica_protocol.commit_record import CommittedRecorder
+from replication.side_channel import signing
 from tests.etcd_cluster import EtcdCluster, etcd_missing_reason
 
 

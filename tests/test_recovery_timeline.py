@@ -1,11 +1,11 @@
 """The phases of a recovery follow each other from the fault and add up
-(``recovery/recovery_timeline.py``); the wait for a silence verdict is detection."""
+(``recovery/generation/recovery_timeline.py``); the wait for a silence verdict is detection."""
 
 from __future__ import annotations
 
 import math
 
-from recovery.recovery_timeline import PHASES, fault_at, phases
+from recovery.generation.recovery_timeline import PHASES, fault_at, phases
 
 
 def _total(t: dict[str, float]) -> float:

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from recovery import auth, protocol
-from recovery.errors import RecoveryImpossible
-from recovery.rendezvous import RecoveryPlan, agree
-from replication import signing
-from replication.signing import Signer
+from recovery.common.errors import RecoveryImpossible
+from recovery.generation import protocol
+from recovery.generation.rendezvous import RecoveryPlan, agree
+from recovery.job_store import auth
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 from tests.helpers.mp import free_port, tcp_store
 
 TIMEOUT_S = 1.0

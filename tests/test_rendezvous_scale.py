@@ -4,7 +4,7 @@ same plan: N threads, each a rank with its own client of a real TCPStore, run
 names. Also: the planner's death, a forged counter, a forged plan, a late joiner and an
 untrusted commit record, each on the same real store.
 
-Run with ``-s`` to see the measured totals (the figures in ``recovery/rendezvous.py``).
+Run with ``-s`` to see the measured totals (the figures in ``recovery/generation/rendezvous.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from typing import Any
 
 import pytest
 
-from recovery import auth, protocol
-from recovery import rendezvous as rdzv
-from recovery.errors import Fenced, RecoveryImpossible
-from recovery.protocol import JoinRecord
-from recovery.rendezvous import GenerationChanged, RecoveryPlan, agree
-from replication import signing
-from replication.commit import COMMITTED_KEY, UntrustedCommit, committed_step
-from replication.signing import Signer
+from recovery.common.errors import Fenced, RecoveryImpossible
+from recovery.generation import protocol
+from recovery.generation import rendezvous as rdzv
+from recovery.generation.protocol import JoinRecord
+from recovery.generation.rendezvous import GenerationChanged, RecoveryPlan, agree
+from recovery.job_store import auth
+from replication.replica_protocol.commit import COMMITTED_KEY, UntrustedCommit, committed_step
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 from tests.helpers.mp import free_port, tcp_store
 
 GEN = 1
@@ -368,7 +369,7 @@ def test_the_same_rendezvous_over_etcd(master):
 
     if (why := etcd_missing_reason()) is not None:
         pytest.skip(why)
-    from recovery.etcd_store import EtcdStore
+    from recovery.job_store.etcd_store import EtcdStore
 
     n = 16
     with EtcdCluster(1) as cluster:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from replication.replay_check import ReplayCheck
+from replication.snapshots.replay_check import ReplayCheck
 from tests.recovery_harness import REPO, assert_succeeded, run_job
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,7 +125,7 @@ def test_replicas_that_drift_apart_are_reported(tmp_path):
 
 
 def test_drift_is_judged_within_the_groups_that_matched():
-    from replication.drift import DriftWatch
+    from replication.replica_protocol.drift import DriftWatch
 
     watch = DriftWatch()
     watch.watch({"model"})

@@ -1,4 +1,5 @@
-"""Replicas held for peers in the device tier (``replication.replica_tier``), on a CPU host.
+"""Replicas held for peers in the device tier (``replication.replica_protocol.replica_tier``), on a
+CPU host.
 
 As in ``tests/test_device_tier.py``, the tier's device is the CPU: every path runs here
 (the decision per replica, the budget shared with the own slots, the staged receive
@@ -14,9 +15,9 @@ from typing import Any
 
 import torch
 
-from replication.device_tier import DeviceTier
-from replication.replica_tier import RING_CHUNKS, wants_device
-from replication.replicas import ReplicaStore
+from replication.replica_protocol.replica_tier import RING_CHUNKS, wants_device
+from replication.replica_protocol.replicas import ReplicaStore
+from replication.snapshots.device_tier import DeviceTier
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -88,8 +89,8 @@ def test_a_replica_moving_between_tiers_keeps_the_budget_exact():
 
 
 def _meta(step: int) -> Any:
-    from replication.layout import SnapshotLayout
-    from replication.snapshot_meta import SnapshotMeta
+    from replication.training_state.layout import SnapshotLayout
+    from replication.training_state.snapshot_meta import SnapshotMeta
 
     return SnapshotMeta(step, SnapshotLayout([], 0), {}, {})
 
@@ -161,9 +162,9 @@ def _worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     drops everything (a replacement) and receives its state from rank 0's device
     replica. Then both reseed into fresh stores with an active tier."""
     from replication.config import ReplicationConfig
-    from replication.handover import reseed_replicas
-    from replication.replicas import ReplicaStore
-    from replication.replicator import Replicator
+    from replication.replica_protocol.handover import reseed_replicas
+    from replication.replica_protocol.replicas import ReplicaStore
+    from replication.replica_protocol.replicator import Replicator
     from tests.helpers.mp import tcp_store
     from tests.helpers.training import buffer_sha, seed_all
     from tests.workers import replication_worker as worker

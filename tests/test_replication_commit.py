@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replication.commit import CommitLedger, CommitTimeout, committed_step
+from replication.replica_protocol.commit import CommitLedger, CommitTimeout, committed_step
 from tests.helpers.mp import free_port, tcp_store
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from replication import commit
+from replication.replica_protocol import commit
 from tests.helpers.mp import WorkerRun, free_port, run_workers, tcp_store
 
 WORKER = "tests.workers.replication_worker"

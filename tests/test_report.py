@@ -2,7 +2,7 @@
 
 The end-to-end test (a real run with a SIGKILLed worker, opened in headless Chromium)
 is ``tests/test_report_browser.py``. Here the events files are written by hand, in the
-exact shape ``recovery.protocol.EventLog`` writes, to reach cases a short real run
+exact shape ``recovery.generation.protocol.EventLog`` writes, to reach cases a short real run
 cannot produce on demand: a failure during recovery, a torn last line, damaged lines.
 """
 

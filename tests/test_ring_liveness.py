@@ -14,9 +14,10 @@ import pytest
 
 from launcher import liveness, membership
 from launcher.liveness import WATCHERS, PeerWatch
-from recovery import auth, protocol
-from replication import signing
-from replication.signing import Signer
+from recovery.generation import protocol
+from recovery.job_store import auth
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer
 from tests.helpers.mp import free_port, tcp_store
 
 TIMEOUT_S = 1.0

@@ -1,6 +1,6 @@
 """``persistence.every_n_steps: auto`` without a job: the durable save interval's policy
-(recovery/interval_policy.py, ``SavePolicy`` and ``choose_interval(kind="save")``), the
-runtime's adapter driving both tiers (recovery/auto_interval.py), the recipe, and the
+(recovery/schedules/interval_policy.py, ``SavePolicy`` and ``choose_interval(kind="save")``), the
+runtime's adapter driving both tiers (recovery/schedules/auto_interval.py), the recipe, and the
 optional ``_auto_interval`` entry that lets a job resume a checkpoint written without it.
 The real job is in tests/test_persist_auto.py."""
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recovery import auto_interval
-from recovery.interval_policy import SavePolicy, choose_interval
+from recovery.schedules import auto_interval
+from recovery.schedules.interval_policy import SavePolicy, choose_interval
 from replication.durable.saver import SaveResult
 from replication.durable.ticket import PersistTicket
 
@@ -131,7 +131,7 @@ class Log:
 
 
 class Durable:
-    """What the adapter reads of :class:`recovery.durable_tier.DurableTier`: the writer's
+    """What the adapter reads of :class:`recovery.durable.tier.DurableTier`: the writer's
     step in flight, the last ticket handed over, the last restore's time."""
 
     def __init__(self) -> None:
@@ -153,7 +153,7 @@ class Durable:
 
 def test_adapter_agrees_both_tiers_and_keeps_saves_on_committed_snapshots(monkeypatch):
     from recovery.recipe import CheckpointlessConfig
-    from replication.state import TrainingState
+    from replication.training_state.state import TrainingState
 
     settings = CheckpointlessConfig()
     settings.replication.every_n_steps = 1  # a fixed snapshot interval (the default: auto)
@@ -211,7 +211,7 @@ def test_adapter_agrees_both_tiers_and_keeps_saves_on_committed_snapshots(monkey
 
 def test_adapter_rounds_the_save_interval_when_the_snapshot_interval_moves(monkeypatch):
     from recovery.recipe import CheckpointlessConfig
-    from replication.state import TrainingState
+    from replication.training_state.state import TrainingState
 
     settings = CheckpointlessConfig()
     settings.replication.every_n_steps = "auto"
@@ -263,7 +263,7 @@ def test_the_mtbf_the_durable_tier_is_chosen_for() -> None:
 # -- the optional entry: a job with auto resumes a checkpoint written without it -------
 def test_an_optional_entry_missing_from_a_snapshot_is_left_alone(tmp_path) -> None:
     from replication.durable import load
-    from replication.snapshot import SnapshotEngine
+    from replication.snapshots.snapshot import SnapshotEngine
     from tests.test_durable_support import config, make_state, make_writer, persist
 
     state, _objs = make_state()
@@ -333,7 +333,7 @@ def test_the_agreement_tensor_is_one_collective_of_two_proposals() -> None:
     """Both tiers' proposals travel in one all-reduce (MAX): replication first, then
     whether a snapshot proposal is its budget's (how far the interval may shorten)."""
     from recovery.recipe import CheckpointlessConfig
-    from replication.state import TrainingState
+    from replication.training_state.state import TrainingState
 
     settings = CheckpointlessConfig()
     settings.replication.every_n_steps = "auto"

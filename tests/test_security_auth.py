@@ -16,12 +16,14 @@ import time
 import pytest
 
 from launcher import job_outcome, job_store, liveness, membership
-from recovery import auth, protocol
-from recovery.errors import RecoveryImpossible
-from recovery.rendezvous import RecoveryPlan, agree, publish_join, published_plan
-from replication import contract, signing
-from replication.commit import CommitLedger, UntrustedCommit, committed_step
-from replication.signing import Signer, derive_job_key
+from recovery.common.errors import RecoveryImpossible
+from recovery.generation import protocol
+from recovery.generation.rendezvous import RecoveryPlan, agree, publish_join, published_plan
+from recovery.job_store import auth
+from replication import contract
+from replication.replica_protocol.commit import CommitLedger, UntrustedCommit, committed_step
+from replication.side_channel import signing
+from replication.side_channel.signing import Signer, derive_job_key
 from tests.helpers.mp import free_port, tcp_store
 
 

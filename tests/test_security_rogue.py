@@ -43,9 +43,9 @@ def _rogue_main(store_addr: str, run_dir: str, out: str) -> int:
     import torch.distributed as dist
 
     from launcher import membership
-    from recovery import protocol
-    from replication import signing
-    from replication.signing import Signer
+    from recovery.generation import protocol
+    from replication.side_channel import signing
+    from replication.side_channel.signing import Signer
 
     signing.install(Signer(os.urandom(32)))  # our own code, but not the job's key
     host, port = store_addr.rsplit(":", 1)
@@ -124,7 +124,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_rogue_without_the_secret_cannot_steer_the_job(tmp_path):
-    from replication.signing import derive_job_key
+    from replication.side_channel.signing import derive_job_key
     from tests.helpers.mp import free_port
     from tests.recovery_harness import (
         TRAIN_ARGS,

@@ -8,7 +8,7 @@ a send, a receive or the all-gather waiting for its own timeout (120 s, the
 replication default), and the round's thread with it (the 120 s stalls chaos soaks met
 once in 40-120 recoveries had the round thread blocked in the all-gather). The channel
 now waits on a waiter thread that the abort releases the caller from
-(``replication/work_waiter.py``, ADR 0037).
+(``replication/side_channel/work_waiter.py``, ADR 0037).
 
 Real processes, real gloo (``tests/side_channel_teardown_worker.py``): many trials, each
 with a fresh channel and peer and the fault at a random moment. Every trial must release
@@ -35,7 +35,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from replication import transport
+from replication.side_channel import transport
 from tests.recovery_harness import REPO
 
 pytestmark = pytest.mark.timeout(400)
@@ -97,7 +97,7 @@ class _Backend:
 
 
 class _Group:
-    """Stands for :class:`replication.abortable_gloo.AbortableGloo`: holds the backend
+    """Stands for :class:`replication.side_channel.abortable_gloo.AbortableGloo`: holds the backend
     until released."""
 
     def __init__(self, backend: _Backend) -> None:

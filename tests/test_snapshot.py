@@ -17,12 +17,13 @@ import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
-from replication import checksum, codec
-from replication.digest_copy import compute_digests, segment_trailer, verify_segments
-from replication.replicas import ReplicaStore
-from replication.snapshot import SnapshotEngine
-from replication.snapshot_meta import SnapshotError
-from replication.state import TrainingState
+from replication.replica_protocol.replicas import ReplicaStore
+from replication.snapshots import checksum
+from replication.snapshots.digest_copy import compute_digests, segment_trailer, verify_segments
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state import codec
+from replication.training_state.snapshot_meta import SnapshotError
+from replication.training_state.state import TrainingState
 from tests.helpers.training import (
     assert_tree_equal,
     make_model,

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from replication import codec, slots
-from replication.digest_copy import verify_segments
-from replication.layout import flatten, unflatten_segment
-from replication.memory import MemoryPlan
-from replication.snapshot import SnapshotEngine, restore_from_buffer
-from replication.state import DeviceUnavailable, TrainingState
+from replication.snapshots import slots
+from replication.snapshots.digest_copy import verify_segments
+from replication.snapshots.memory import MemoryPlan
+from replication.snapshots.snapshot import SnapshotEngine, restore_from_buffer
+from replication.training_state import codec
+from replication.training_state.layout import flatten, unflatten_segment
+from replication.training_state.state import DeviceUnavailable, TrainingState
 from tests.sim_device import SimDevices, SimTensor, install
 
 

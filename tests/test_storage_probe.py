@@ -172,7 +172,7 @@ def test_a_run_that_persisted_nothing_says_so_last_and_exits_non_zero(tmp_path):
 
 
 def _events_named(run_dir: Path, name: str) -> list[dict]:
-    from recovery.protocol import read_events
+    from recovery.generation.protocol import read_events
 
     path = run_dir / "events.jsonl"
     return [e for e in read_events(path) if e.get("event") == name] if path.exists() else []

@@ -1,4 +1,4 @@
-"""The streaming-store copy kernel (replication/_streamcopy.c) and its torch fallback."""
+"""The streaming-store copy kernel (replication/snapshots/_streamcopy.c) and its torch fallback."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replication import streamcopy
+from replication.snapshots import streamcopy
 
 needs_kernel = pytest.mark.skipif(
-    not streamcopy.AVAILABLE, reason="replication._streamcopy not built (no compiler or not x86-64)"
+    not streamcopy.AVAILABLE, reason=
+    "replication.snapshots._streamcopy not built (no compiler or not x86-64)"
 )
 
 
@@ -23,7 +24,8 @@ def test_kernel_is_built_where_ci_requires_it():
     if os.environ.get("TESTS_REQUIRE_STREAMCOPY") != "1":
         pytest.skip("TESTS_REQUIRE_STREAMCOPY is not set")
     assert platform.machine() in ("x86_64", "AMD64")
-    assert streamcopy.AVAILABLE, "replication._streamcopy did not build: is gcc installed?"
+    assert streamcopy.AVAILABLE, ("replication.snapshots._streamcopy did not build: "
+                                  "is gcc installed?")
 
 
 @needs_kernel

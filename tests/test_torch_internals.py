@@ -32,14 +32,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from launcher.spare import _CAPTURE_CHECKS
-from recovery import ddp_layout, elastic_controller, loader_position, nccl_inner, reshard
-from recovery.elastic_group import ElasticProcessGroup, is_owned
-from recovery.elastic_work import _Op, _Work
-from recovery.ordered_sum import rank_ordered_sum
-from recovery.process_groups import _reset_fsdp_root
-from replication.abortable_gloo import AbortableGloo
+from recovery.loader import loader_position
+from recovery.process_group import controller, ddp_layout, nccl_inner
+from recovery.process_group.ordered_sum import rank_ordered_sum
+from recovery.process_group.owned_group import ElasticProcessGroup, is_owned
+from recovery.process_group.training_groups import _reset_fsdp_root
+from recovery.process_group.works import _Op, _Work
+from recovery.resize import reshard
 from replication.durable.format import load_dcp_metadata
-from replication.interruptible_store import StoreWaitInterrupted
+from replication.side_channel.abortable_gloo import AbortableGloo
+from replication.side_channel.interruptible_store import StoreWaitInterrupted
 from tests.helpers.mp import REPO
 
 pytestmark = [pytest.mark.compat, pytest.mark.timeout(240)]
@@ -80,12 +82,13 @@ class _Recording(ElasticProcessGroup):
 _backend_names = itertools.count()
 
 @contextlib.contextmanager
-def owned_world() -> Iterator[tuple[elastic_controller.Controller, list[dict[str, Any]]]]:
-    """The default group as recovery/process_groups.py makes it (``Controller.create``
+def owned_world() -> Iterator[tuple[controller.Controller, list[dict[str, Any]]]]:
+    """The default group as recovery/process_group/training_groups.py makes it
+    (``Controller.create``
     as an extended-API backend; generation 0 over gloo), with a fresh Controller. Yields
     it and, per creator call, the ``_DistributedBackendOptions`` fields torch passed."""
     assert not dist.is_initialized(), "a default process group was left by another test"
-    ctl = elastic_controller.Controller()
+    ctl = controller.Controller()
     ctl.configure(dist.HashStore(), TIMEOUT.total_seconds(), {"cpu": "gloo"})
     seen: list[dict[str, Any]] = []
 
@@ -96,15 +99,15 @@ def owned_world() -> Iterator[tuple[elastic_controller.Controller, list[dict[str
 
     name = f"clcompat{next(_backend_names)}"
     dist.Backend.register_backend(name, create, extended_api=True, devices=["cpu", "cuda"])
-    real, elastic_controller.ElasticProcessGroup = (
-        elastic_controller.ElasticProcessGroup, _Recording)
+    real, controller.ElasticProcessGroup = (
+        controller.ElasticProcessGroup, _Recording)
     try:
         dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=TIMEOUT)
         ctl.activate(0)
         yield ctl, seen
     finally:
-        elastic_controller.ElasticProcessGroup = real
+        controller.ElasticProcessGroup = real
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -122,7 +125,7 @@ def _same_grads(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
 
 def test_owned_backend_plugin_options_world_and_new_group() -> None:
-    """recovery/elastic_controller.py, elastic_init.py: ``Backend.register_backend(extended_
+    """recovery/process_group/controller.py, elastic_init.py: ``Backend.register_backend(extended_
     api=)``, ``_plugins``, ``_DistributedBackendOptions``, a Python group kept as WORLD,
     ``new_group(backend=None, pg_options=)`` inheriting it. Else no owned group at all."""
     assert dist.new_group is dist.distributed_c10d.new_group
@@ -143,7 +146,7 @@ def test_owned_backend_plugin_options_world_and_new_group() -> None:
         assert group.calls == ["allreduce"]
 
 def test_public_collectives_reach_the_owned_groups_python_methods() -> None:
-    """recovery/elastic_group.py: ``dist.*`` collectives (and ``_coalescing_manager``)
+    """recovery/process_group/owned_group.py: ``dist.*`` collectives (and ``_coalescing_manager``)
     call the Python group's methods by its names, with options it reads (``reduceOp``:
     AVG on gloo). Else they fail ("not implemented") or escape the failure handling."""
     problems = []
@@ -215,7 +218,7 @@ def _ddp_probe() -> None:
             print("DIRECT", type(exc).__name__)
 
 def test_ddp_and_blocking_collectives_reduce_and_fail_through_python() -> None:
-    """recovery/elastic_group.py, elastic_work.py: DDP's C++ side calls the Python group
+    """recovery/process_group/owned_group.py, elastic_work.py: DDP's C++ side calls the Python group
     and Work (``get_future()``), takes a failed future (``_Op``) as an error; blocking
     callers get CollectiveAborted unwrapped. Else DDP hangs or crashes, failures hide."""
     proc = _python("from tests.test_torch_internals import _ddp_probe\n_ddp_probe()\n")
@@ -248,7 +251,7 @@ for _name, _inner in (("deleteKey", "delete_key"), ("getNumKeys", "num_keys"), *
     setattr(_RecordingStore, _name, _forward(_inner))
 
 def test_a_python_store_behind_a_prefix_store_gets_every_call() -> None:
-    """replication/interruptible_store.py, recovery/etcd_store.py: a Python
+    """replication/side_channel/interruptible_store.py, recovery/job_store/etcd_store.py: a Python
     ``dist.Store`` in a ``PrefixStore`` gets every call, ``delete_key``/``num_keys`` by
     C++ names, multi-key ones if ``has_extended_api``. Else "pure virtual" errors."""
     inner = _RecordingStore()
@@ -266,7 +269,7 @@ def test_a_python_store_behind_a_prefix_store_gets_every_call() -> None:
                            "multi_set", "multi_get", "append", "num_keys", "delete_key"]
 
 def test_an_interrupted_store_wait_ends_gloos_constructor_with_its_own_type() -> None:
-    """replication/interruptible_store.py, abortable_gloo.py: StoreWaitInterrupted from
+    """replication/side_channel/interruptible_store.py, abortable_gloo.py: StoreWaitInterrupted from
     the Python store leaves ``ProcessGroupGloo(...)`` unwrapped (``make_inner`` catches
     it). Else a rendezvous no longer ends when a newer generation is declared."""
     with pytest.raises(StoreWaitInterrupted, match="a newer generation"):
@@ -274,7 +277,7 @@ def test_an_interrupted_store_wait_ends_gloos_constructor_with_its_own_type() ->
                              interrupted=lambda: "a newer generation")
 
 def test_gloo_private_options_pin_the_interface_and_timeout() -> None:
-    """replication/abortable_gloo.py (``--bind``): ``ProcessGroupGloo._Options`` with
+    """replication/side_channel/abortable_gloo.py (``--bind``): ``ProcessGroupGloo._Options`` with
     ``_timeout``/``_devices``, ``ProcessGroupGloo.create_device(hostname=)``, and the
     constructor taking them (or a timedelta). Else ``--bind`` jobs get no gloo group."""
     opts = dist.ProcessGroupGloo._Options()
@@ -289,8 +292,8 @@ def test_gloo_private_options_pin_the_interface_and_timeout() -> None:
         assert torch.equal(t, torch.ones(3))
 
 def test_gloo_sockets_and_private_collectives_of_a_two_rank_group() -> None:
-    """replication/abortable_gloo.py: gloo connects in its constructor (abort shuts the
-    sockets it opened: else survivors wait out the timeout); recovery/ordered_sum.py,
+    """replication/side_channel/abortable_gloo.py: gloo connects in its constructor (abort shuts the
+    sockets it opened: else survivors wait out the timeout); recovery/process_group/ordered_sum.py,
     elastic_group.py: ``_allgather_base``/``alltoall_base``, ``AllreduceOptions``."""
     opts = torch._C._distributed_c10d.AllreduceOptions()
     opts.reduceOp, opts.timeout = dist.ReduceOp.SUM, TIMEOUT
@@ -319,7 +322,8 @@ def test_gloo_sockets_and_private_collectives_of_a_two_rank_group() -> None:
 
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch is built without NCCL")
 def test_nccl_options_expose_the_timeout_and_a_non_blocking_config() -> None:
-    """recovery/nccl_inner.py (option objects only, no GPU): ``ProcessGroupNCCL.Options``
+    """recovery/process_group/nccl_inner.py (option objects only, no GPU):
+    ``ProcessGroupNCCL.Options``
     ``._timeout``, ``.config.blocking``, ``abort``/``supports_shrinking``. Without
     ``config`` an init stuck on a dead peer silently ends only at its timeout."""
     opts = nccl_inner.nccl_options(dist.ProcessGroupNCCL.Options, 5.0)
@@ -329,7 +333,8 @@ def test_nccl_options_expose_the_timeout_and_a_non_blocking_config() -> None:
     assert hasattr(dist.ProcessGroupNCCL, "supports_shrinking")
 
 def test_cuda_lazy_call_defers_until_cuda_initialises() -> None:
-    """recovery/device_placement.py: ``torch.cuda._lazy_call(fn)`` runs ``fn`` when CUDA
+    """recovery/process_group/device_placement.py: ``torch.cuda._lazy_call(fn)`` runs ``fn`` when
+    CUDA
     initialises, so placing a rank never initialises CUDA in the zygote (``set_device``,
     the fallback, does, before a fork)."""
     assert next(iter(inspect.signature(torch.cuda._lazy_call).parameters)) == "callable"
@@ -343,7 +348,7 @@ def test_cuda_lazy_call_defers_until_cuda_initialises() -> None:
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="this torch is built without CUDA")
 def test_cudart_bindings_for_page_locking() -> None:
-    """replication/slots.py: ``torch.cuda.cudart()`` returns ``torch._C._cudart``, whose
+    """replication/snapshots/slots.py: ``torch.cuda.cudart()`` returns ``torch._C._cudart``, whose
     ``cudaHostRegister``/``cudaHostUnregister``/``cudaGetErrorString``/``cudaError`` lock
     snapshot buffers (bindings only, no GPU). Missing, host copies go synchronous."""
     for name in ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString", "cudaError"):
@@ -351,7 +356,8 @@ def test_cudart_bindings_for_page_locking() -> None:
     assert "_cudart" in inspect.getsource(torch.cuda.cudart)
 
 def test_ddp_bucket_layout_is_read_settled_and_rebuilt(gloo_world: None) -> None:
-    """recovery/ddp_layout.py: ``_build_params_for_reducer``, ``_lazy_init_ran``, reducer
+    """recovery/process_group/ddp_layout.py: ``_build_params_for_reducer``, ``_lazy_init_ran``,
+    reducer
     ``_get_zeros_like_grad_buckets``/``_rebuild_buckets``, ``_has_rebuilt_buckets``, and
     ``dist._compute_bucket_assignment_by_size``. Else 3+ ranks lose bit-identity."""
     ddp = DDP(_mlp(), bucket_cap_mb=1)
@@ -376,7 +382,8 @@ def test_ddp_bucket_layout_is_read_settled_and_rebuilt(gloo_world: None) -> None
     assert _same_grads(ddp.module, ref)
 
 def test_ddp_rebuild_keeps_static_graph_and_comm_hooks(gloo_world: None) -> None:
-    """recovery/ddp_layout.py: ``_set_static_graph``, ``_comm_hooks``, ``_register_comm_
+    """recovery/process_group/ddp_layout.py: ``_set_static_graph``, ``_comm_hooks``,
+    ``_register_comm_
     hook``; a new static-graph reducer reduces its first backward only if DDP's
     ``_static_graph_delay_allreduce_enqueued`` is False. Else no gradient is reduced."""
     calls: list[bool] = []
@@ -402,7 +409,8 @@ def test_ddp_rebuild_keeps_static_graph_and_comm_hooks(gloo_world: None) -> None
                                  f"{len(calls)} of 2 backwards through the comm hook")
 
 def test_ddp_setstate_builds_a_reducer_as_rebuild_reducer_does() -> None:
-    """recovery/ddp_layout.py: ``rebuild_reducer`` mirrors ``DDP.__setstate__``: the same
+    """recovery/process_group/ddp_layout.py: ``rebuild_reducer`` mirrors ``DDP.__setstate__``: the
+    same
     ``_ddp_init_helper`` arguments, then only the static-graph calls. A torch restoring
     more there leaves a recovered reducer unlike the old: extend both, then this list."""
     helper = inspect.signature(DDP._ddp_init_helper).parameters
@@ -425,7 +433,7 @@ def test_ddp_setstate_builds_a_reducer_as_rebuild_reducer_does() -> None:
 
 def test_ddp_construction_syncs_through_the_module_attribute(gloo_world: None,
                                                              monkeypatch) -> None:
-    """recovery/elastic_init.py: DDP's constructor calls ``torch.distributed.utils.
+    """recovery/process_group/init_hook.py: DDP's constructor calls ``torch.distributed.utils.
     _sync_params_and_buffers`` via the module. Bound at import, the hook that skips a
     replacement's broadcast silently does nothing (0.07 s per 67 MB, on recovery)."""
     seen, original = [], dist_utils._sync_params_and_buffers
@@ -466,7 +474,8 @@ def _sharded_net(mesh: Any) -> nn.Module:
     return net
 
 def test_fsdp2_state_internals_reset_after_an_interrupted_backward(gloo_world: None) -> None:
-    """recovery/process_groups.py (``_reset_fsdp_root``): ``_get_fsdp_state()._is_root``,
+    """recovery/process_group/training_groups.py (``_reset_fsdp_root``):
+    ``_get_fsdp_state()._is_root``,
     ``_comm_ctx``, ``_state_ctx.all_states``, ``_fsdp_param_groups``, ``_all_gather_result``,
     ``fsdp_params``, ``unsharded_accumulated_grad`` =. Else survivors cannot reset FSDP2."""
     mesh = dist.init_device_mesh("cpu", (1,))
@@ -496,7 +505,7 @@ def test_fsdp2_state_internals_reset_after_an_interrupted_backward(gloo_world: N
 
 def test_fsdp2_parameters_are_dtensors_named_as_the_resharding_expects(
         gloo_world: None) -> None:
-    """recovery/reshard.py, world_resize.py, replication/state.py: class names
+    """recovery/resize/reshard.py, world_resize.py, replication/training_state/state.py: class names
     (``DTensor``, ``Shard``/``Replicate``), mesh ``get_local_rank``/``size``, and
     ``DTensor.from_local(shape=, stride=)``. Renamed, FSDP2/HSDP state looks replicated."""
     for names, kind in ((("shard",), "fsdp"), (("replicate", "shard"), "hsdp")):
@@ -559,8 +568,8 @@ def test_dcp_writes_and_reads_through_the_projects_storage_classes(tmp_path) -> 
     assert set(md.state_dict_metadata) == set(keys)
 
 def test_flatten_unflatten_and_foreach_copy() -> None:
-    """recovery/gradient_average.py, launcher/chaos/workload.py: ``torch._utils._flatten_
-    dense_tensors``/``_unflatten_dense_tensors``; replication/streamcopy.py: ``torch.
+    """recovery/runtime/gradient_average.py, launcher/chaos/workload.py: ``torch._utils._flatten_
+    dense_tensors``/``_unflatten_dense_tensors``; replication/snapshots/streamcopy.py: ``torch.
     _foreach_copy_``. Else ``all_reduce_gradients`` or every snapshot capture raises."""
     grads = [torch.arange(6.0).view(2, 3), torch.tensor([7.0]), torch.ones(2, 2)]
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -580,7 +589,7 @@ class _Counted(list):
         return super().__getitem__(i)
 
 def test_single_process_loader_iterator_skips_by_its_sampler() -> None:
-    """recovery/loader_position.py (``skip``): a ``_SingleProcessDataLoaderIter`` with
+    """recovery/loader/loader_position.py (``skip``): a ``_SingleProcessDataLoaderIter`` with
     ``_sampler_iter``/``_num_yielded`` skips batches unloaded. Renamed, the project
     silently loads and drops each skipped batch (a late resume reloads the epoch)."""
     data = _Counted(range(20))

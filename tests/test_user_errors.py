@@ -123,7 +123,7 @@ def test_a_sigterm_while_the_reason_is_said_waits_for_it():
     """The agent stops the workers as soon as the fatal record is there; the rank that
     records it must still print its traceback and line (under load one never did)."""
     code = ("import os, signal\n"
-            "from recovery.user_errors import _sigterm_held\n"
+            "from recovery.faults.user_errors import _sigterm_held\n"
             "with _sigterm_held():\n"
             "    os.kill(os.getpid(), signal.SIGTERM)  # the agent, right after the record\n"
             "    print('the traceback and the line', flush=True)\n"

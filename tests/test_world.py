@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
-from recovery import hosted_loader, loader_position, world
-from recovery.errors import RecoveryImpossible
+from recovery.common.errors import RecoveryImpossible
+from recovery.generation import world
+from recovery.loader import hosted_loader, loader_position
 
 
 def test_the_launch_world_until_a_record_applies():
@@ -96,7 +97,7 @@ def test_a_loader_that_cannot_split_by_rank_is_refused_in_one_line():
 
 def test_no_store_no_resize(monkeypatch):
     """A standalone process has no job store: its environment is left alone."""
-    from recovery import world_resize
+    from recovery.resize import world_resize
 
     env = {"RANK": "0", "WORLD_SIZE": "1"}
     world_resize.enter_current_world(env)
@@ -107,7 +108,7 @@ def test_no_store_no_resize(monkeypatch):
 def test_who_offers_its_state_to_whom():
     """Growing 2 -> 4: each retired rank is offered by the rank that took its data; a
     rank whose process died with its node (slot 1 of 4 -> 2) by every survivor."""
-    from recovery.world_resize import _twins
+    from recovery.resize.world_resize import _twins
 
     shrunk, full = world.World(4, (0, 1)), world.World.launch(4)
     # each also offers to the other survivor, in case its process dies meanwhile

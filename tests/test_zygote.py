@@ -42,7 +42,7 @@ import json, os, sys
 sys.path.insert(0, {repo!r})
 from replication.durable import DurableWriter, list_checkpoints, load, worker
 from replication.forked import ForkedProcess
-from replication.snapshot import SnapshotEngine
+from replication.snapshots.snapshot import SnapshotEngine
 from tests.test_durable_support import config, make_state, snapshot, train
 
 pre = worker._preforked.pid

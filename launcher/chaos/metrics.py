@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from recovery.events import Event
+from recovery.common.events import Event
 from replication.errors import CheckpointlessError
 
 Record = Mapping[str, Any]  # one event of a run, as read back

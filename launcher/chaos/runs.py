@@ -31,7 +31,7 @@ from launcher.chaos import procs
 from launcher.chaos.schedule import Fault
 from launcher.chaos.storage import OutagePlayer, StorageSwitch
 from launcher.local_cluster import free_port
-from recovery.events import Event
+from recovery.common.events import Event
 
 #: The directory that holds the ``launcher`` package (the repository root in a source
 #: checkout): the children's working directory and the head of their PYTHONPATH, so the

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from replication.errors import CheckpointlessError
-from replication.placement import place_replicas
+from replication.replica_protocol.placement import place_replicas
 
 KINDS = ("sigkill", "sigstop", "exception", "node")
 INCIDENTS = ("sigkill", "sigstop", "exception", "node", "simultaneous", "during_recovery",

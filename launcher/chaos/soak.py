@@ -24,7 +24,7 @@ from typing import Any
 from launcher.chaos import metrics, procs
 from launcher.chaos.runs import JobSpec, RunResult, run_checkpointless, run_torchrun
 from launcher.chaos.schedule import Schedule, Topology, describe, generate, parse_mix
-from recovery.events import Event
+from recovery.common.events import Event
 from replication.errors import CheckpointlessError
 
 #: The fields of final_rank<r>.json that must equal the failure-free run's.

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.chaos.schedule import Fault
-from recovery.events import Event
+from recovery.common.events import Event
 
 
 class StorageSwitch:

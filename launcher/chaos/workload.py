@@ -51,8 +51,8 @@ try:
 except ImportError:  # pragma: no cover - run with the repository on PYTHONPATH
     raise SystemExit("goodput_worker: run with the repository root on PYTHONPATH") from None
 
-from recovery.events import Event
-from recovery.fault_spec import FaultSpec, parse_faults
+from recovery.common.events import Event
+from recovery.faults.spec import FaultSpec, parse_faults
 
 #: Where a restarted baseline waits for storage to come back before it gives up.
 STORAGE_WAIT_S = 60.0

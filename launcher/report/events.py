@@ -1,12 +1,12 @@
 """Read a run's ``events.jsonl`` strictly enough to trust it, loosely enough to survive.
 
-Agents and workers append one JSON object per line (``recovery.protocol.EventLog``).
+Agents and workers append one JSON object per line (``recovery.generation.protocol.EventLog``).
 A process killed mid-write can leave a torn *last* line, which is expected and skipped.
 Anything else that does not parse, or an object without ``event`` and a numeric ``ts``,
 means the file is not what the report thinks it is, so it is refused with the line
 number at fault instead of producing a report that quietly leaves events out.
 
-This module deliberately does not import :mod:`recovery.protocol` (which imports
+This module deliberately does not import :mod:`recovery.generation.protocol` (which imports
 torch): reading a run must stay as fast as ``checkpointless --help``.
 """
 
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from recovery.events import Event
+from recovery.common.events import Event
 from replication.errors import CheckpointlessError
 
 EVENTS_FILE = "events.jsonl"

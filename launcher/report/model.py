@@ -1,7 +1,7 @@
 """Turn a run's events into what the report shows: failures, recoveries, steps, summary.
 
 One *failure* is one episode: from a failure until training resumes. Every detector of
-the same failure dedupes into one generation (``recovery.protocol.declare_failure``),
+the same failure dedupes into one generation (``recovery.generation.protocol.declare_failure``),
 and generations superseded before anyone resumed (a failure during the recovery, a
 spare node taking a lost node's ranks over) are folded into the episode that ended in
 a recovery, so a node loss is one failure however many generations it took. For each
@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recovery.causes import describe
-from recovery.events import Event
+from recovery.common.causes import describe
+from recovery.common.events import Event
 
 #: Recovery phases in the order they happen (keys of the ``recovery`` event's timings),
 #: then the first step after it (from the ``resumed`` event).

@@ -4,7 +4,7 @@ The one configuration layer, below everything that reads it: the launcher resolv
 the recipe with :func:`load_config` and hands workers the result as JSON, which each
 worker re-validates with :func:`worker_config` (the same parser); the Lightning
 strategy loads a recipe with :func:`load_config` when run without the launcher. This
-package imports only the configuration sections it composes (``recovery.config``,
+package imports only the configuration sections it composes (``recovery.common.config``,
 ``replication.config``, ``dataloader_cache.config``), so every part of ``recovery``
 and ``launcher`` may import it (the layer test in ``tests/test_layers.py`` holds it
 to that).

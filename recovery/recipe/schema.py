@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataloader_cache.config import DataloaderCacheConfig
-from recovery.config import RecoveryConfig
+from recovery.common.config import RecoveryConfig
 from replication.config import MemoryConfig, PersistenceConfig, ReplicationConfig
 
 #: The YAML key that holds the whole configuration, also accepted as an override prefix.

@@ -56,7 +56,7 @@ def _heartbeat_timeout_exceeds_interval(
 
 
 def _fault_spec_shape(cfg: CheckpointlessConfig, res: Resolution) -> list[Problem]:
-    from recovery.fault_spec import FaultSpecError, parse_faults
+    from recovery.faults.spec import FaultSpecError, parse_faults
 
     fault = cfg.recovery.fault
     try:

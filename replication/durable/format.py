@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
-from replication import checksum, codec
-from replication.digest_copy import segment_trailer
 from replication.errors import CheckpointlessError
-from replication.layout import SegmentLayout
-from replication.snapshot_meta import SnapshotError, SnapshotMeta
+from replication.snapshots import checksum
+from replication.snapshots.digest_copy import segment_trailer
+from replication.training_state import codec
+from replication.training_state.layout import SegmentLayout
+from replication.training_state.snapshot_meta import SnapshotError, SnapshotMeta
 
 FORMAT = "checkpointless.durable"
 FORMAT_VERSION = 1

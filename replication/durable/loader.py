@@ -27,9 +27,6 @@ from typing import Any
 
 import torch
 
-from replication import codec
-from replication.checksum import ChecksumMismatch
-from replication.digest_copy import segment_digest
 from replication.durable.catalog import (
     CheckpointInfo,
     ensure_intact,
@@ -45,9 +42,12 @@ from replication.durable.format import (
     rank_dirname,
 )
 from replication.durable.storage import resolve
-from replication.layout import segment_views, unflatten_segment
-from replication.snapshot_meta import SnapshotMeta
-from replication.state import TrainingState
+from replication.snapshots.checksum import ChecksumMismatch
+from replication.snapshots.digest_copy import segment_digest
+from replication.training_state import codec
+from replication.training_state.layout import segment_views, unflatten_segment
+from replication.training_state.snapshot_meta import SnapshotMeta
+from replication.training_state.state import TrainingState
 
 log = logging.getLogger("checkpointless.durable")
 

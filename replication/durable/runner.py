@@ -25,7 +25,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from replication.checksum import ChecksumMismatch
 from replication.durable.format import persisted_digests, with_digests
 from replication.durable.saver import (
     ABORTED,
@@ -37,8 +36,9 @@ from replication.durable.saver import (
 )
 from replication.durable.staging import StagingBuffer
 from replication.durable.ticket import Job
-from replication.slots import shared_keys, shared_location
-from replication.snapshot_meta import SnapshotError, SnapshotMeta
+from replication.snapshots.checksum import ChecksumMismatch
+from replication.snapshots.slots import shared_keys, shared_location
+from replication.training_state.snapshot_meta import SnapshotError, SnapshotMeta
 
 if TYPE_CHECKING:
     from replication.durable.worker import ProcessBackend

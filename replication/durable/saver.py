@@ -30,9 +30,6 @@ from typing import Any
 
 import torch
 
-from replication import codec
-from replication.checksum import ChecksumMismatch
-from replication.digest_copy import verify_segments
 from replication.durable import catalog
 from replication.durable.format import (
     MANIFEST,
@@ -61,7 +58,10 @@ from replication.durable.storage import (
     write_atomic,
     write_plain,
 )
-from replication.snapshot_meta import SnapshotError, SnapshotMeta
+from replication.snapshots.checksum import ChecksumMismatch
+from replication.snapshots.digest_copy import verify_segments
+from replication.training_state import codec
+from replication.training_state.snapshot_meta import SnapshotError, SnapshotMeta
 
 log = logging.getLogger("checkpointless.durable")
 
@@ -392,7 +392,7 @@ def plain_values(buf: torch.Tensor, meta: SnapshotMeta, taken: set[str]) -> dict
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from replication.layout import unflatten_segment
+    from replication.training_state.layout import unflatten_segment
 
     out: dict[str, Any] = {}
     for seg in meta.layout.segments:

@@ -21,11 +21,11 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from replication.checksum import ChecksumMismatch, Hasher
-from replication.digest_copy import segment_trailer
 from replication.durable.saver import STAGE_HEADER
 from replication.durable.ticket import Job
-from replication.snapshot_meta import SnapshotMeta
+from replication.snapshots.checksum import ChecksumMismatch, Hasher
+from replication.snapshots.digest_copy import segment_trailer
+from replication.training_state.snapshot_meta import SnapshotMeta
 
 STAGE_CHUNK = 1 << 20  # copy-then-hash granularity: the chunk is hashed from L2
 # Default pace of the staging copy: memory bandwidth is shared with training, and a copy

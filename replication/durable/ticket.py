@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from replication.durable.saver import SaveResult
-from replication.snapshot_meta import SnapshotMeta
+from replication.training_state.snapshot_meta import SnapshotMeta
 
 
 class PersistTicket:

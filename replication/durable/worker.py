@@ -524,7 +524,7 @@ def _run_save(
     saver: RankSaver, segments: _Segments, job: _Job, abort: threading.Event
 ) -> SaveResult:
     """Run one save; report any failure as its result, never die of it."""
-    from replication.snapshot_meta import SnapshotMeta
+    from replication.training_state.snapshot_meta import SnapshotMeta
 
     save = job.save
     meta = SnapshotMeta.from_bytes(save.meta)
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     # Its rank stops it (it exits when the rank's end of the pipe closes): a Ctrl-C
     # that reaches the whole process group must not print a traceback from here, and
     # the SIGTERM Slurm sends every process of a job step must not kill the save the
-    # rank makes before it stops (recovery.drain).
+    # rank makes before it stops (recovery.runtime.drain).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get(contract.ENV_ON_SIGTERM) == "drain":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -5,12 +5,12 @@ and returns at once with a :class:`PersistTicket`. The handshake:
 
 - ``ticket.released`` completes when the writer no longer needs ``buffer``; the caller
   must not overwrite ``buffer`` until then (the runtime *holds* the snapshot slot,
-  :meth:`~replication.snapshot.SnapshotEngine.hold`, so no capture writes into it
+  :meth:`~replication.snapshots.snapshot.SnapshotEngine.hold`, so no capture writes into it
   before). Three ways to read it:
 
   * zero-copy (``zero_copy=True``, what the runtime uses): the helper process reads
     the snapshot straight from its slot, which the snapshot engine allocated in
-    shared memory (:func:`~replication.slots.shared_location`; the descriptor is
+    shared memory (:func:`~replication.snapshots.slots.shared_location`; the descriptor is
     passed to the helper), and checks it against the snapshot's digests itself
     before committing. The training process does no work for the save; ``released``
     fires when the save is over, so the caller needs a spare slot (the runtime's
@@ -70,7 +70,7 @@ from replication.durable.saver import (
     SaverSettings,
 )
 from replication.durable.ticket import Job, PersistTicket
-from replication.snapshot_meta import SnapshotMeta
+from replication.training_state.snapshot_meta import SnapshotMeta
 
 if TYPE_CHECKING:
     from replication.durable.worker import ProcessBackend
@@ -173,7 +173,7 @@ class DurableWriter:
 
         By step count, ``step`` is due when it is a multiple of ``every_n_steps``, or,
         when the caller knows the snapshot before it, ``steps_due``: a multiple lies in
-        between (:mod:`recovery.save_schedule`: a save slips to the next snapshot
+        between (:mod:`recovery.schedules.save_schedule`: a save slips to the next snapshot
         instead of vanishing when its own step has none).
 
         Windows are aligned to the Unix epoch, so every rank takes the same decision

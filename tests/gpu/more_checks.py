@@ -160,7 +160,7 @@ def check_nccl_generation_cycle() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from recovery import nccl_inner
+    from recovery.process_group import nccl_inner
 
     store = dist.HashStore()
     torch.cuda.init()

@@ -36,7 +36,7 @@ def missing_deps() -> list[str]:
 def check_dependencies() -> dict[str, Any]:
     """Needs no CUDA, so a dry run also exercises the spawned-process plumbing."""
     try:
-        from replication import streamcopy
+        from replication.snapshots import streamcopy
         streamcopy_ok = bool(streamcopy.AVAILABLE)
     except Exception:  # reported, not fatal: snapshots fall back to torch copies
         streamcopy_ok = False
@@ -80,8 +80,8 @@ def _adam_state(target_bytes: int) -> tuple[Any, Any, Callable[[], float]]:
 
 
 def _engine(model: Any, opt: Any) -> Any:
-    from replication.snapshot import SnapshotEngine
-    from replication.state import TrainingState
+    from replication.snapshots.snapshot import SnapshotEngine
+    from replication.training_state.state import TrainingState
 
     state = TrainingState()
     state.register("model", model)

@@ -39,8 +39,8 @@ def _bucket_layout(model: DDP) -> list[list[int]]:
 
 def _ordered_sums() -> int:
     """How many all-reduces the runtime summed in rank order instead of the backend's."""
-    from recovery import elastic_controller
-    return elastic_controller.controller().ordered_sums
+    from recovery.process_group import controller
+    return controller.controller().ordered_sums
 
 
 def main() -> None:

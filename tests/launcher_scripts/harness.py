@@ -91,7 +91,7 @@ def records(out: Path, rank: int) -> list[dict[str, Any]]:
 
 
 def events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
-    from recovery.protocol import read_events
+    from recovery.generation.protocol import read_events
 
     found = read_events(run_dir / "events.jsonl")
     return [e for e in found if name is None or e["event"] == name]

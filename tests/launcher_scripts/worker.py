@@ -50,7 +50,7 @@ def set_fatal(reason: str) -> None:
 
     import torch.distributed as dist
 
-    from recovery import protocol
+    from recovery.generation import protocol
 
     host, port = os.environ["CHECKPOINTLESS_INTERNAL_STORE"].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))

@@ -14,10 +14,10 @@ import sys
 import torch
 
 from replication.config import MemoryConfig, ReplicationConfig
-from replication.layout import flatten
-from replication.memory import MemoryBudgetError
-from replication.replicator import Replicator
-from replication.state import TrainingState
+from replication.replica_protocol.replicator import Replicator
+from replication.snapshots.memory import MemoryBudgetError
+from replication.training_state.layout import flatten
+from replication.training_state.state import TrainingState
 from tests.helpers.mp import tcp_store, write_result
 from tests.helpers.training import make_model, seed_all, train_step
 

@@ -1,7 +1,7 @@
 """One rank of tests/test_etcd_store.py: real processes on a real etcd member.
 
 ``mode`` "gloo": a gloo group whose rendezvous runs through ``PrefixStore`` on an
-:class:`~recovery.etcd_store.EtcdStore`, one all_reduce. ``mode`` "add": ``adds``
+:class:`~recovery.job_store.etcd_store.EtcdStore`, one all_reduce. ``mode`` "add": ``adds``
 increments of one shared counter, racing the other ranks.
 """
 
@@ -16,7 +16,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from recovery.etcd_store import EtcdStore
+from recovery.job_store.etcd_store import EtcdStore
 from tests.helpers.mp import write_result
 
 STARTED = psutil.Process().create_time()

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from replication.snapshot import SnapshotEngine, restore_from_buffer
-from replication.state import TrainingState
+from replication.snapshots.snapshot import SnapshotEngine, restore_from_buffer
+from replication.training_state.state import TrainingState
 
 
 def build(mesh):

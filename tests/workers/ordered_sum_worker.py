@@ -1,7 +1,8 @@
 """One rank of the ordered all-reduce tests (real gloo, the runtime's own process group).
 
 Started by ``tests/test_ordered_sum.py`` as ``python -m tests.workers.ordered_sum_worker
-'<json config>'``. It binds the runtime's owned group (``recovery.process_groups``) with
+'<json config>'``. It binds the runtime's owned group (``recovery.process_group.training_groups``)
+with
 ``ordered`` as ``recovery.ordered_allreduce`` and writes to ``<out>/rank<r>.json``:
 
 - ``exact``: for each case, whether the all-reduce equals every rank's tensor added in
@@ -25,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from recovery import elastic_controller, process_groups
+from recovery.process_group import controller, training_groups
 from tests.helpers.mp import tcp_store, write_result
 
 CASES = [(7,), (64,), (1000, 3), (4096,), (3, 5, 7)]
@@ -50,7 +51,7 @@ def main() -> None:
     rank, world = cfg["rank"], cfg["world_size"]
     torch.set_num_threads(1)
     store = tcp_store(cfg["port"], is_master=rank == 0)
-    process_groups.setup_training_group(store, 0, rank, world, 30.0, "gloo",
+    training_groups.setup_training_group(store, 0, rank, world, 30.0, "gloo",
                                         ordered_allreduce=cfg["ordered"])
     result: dict = {"rank": rank}
     if cfg.get("abort"):
@@ -62,7 +63,7 @@ def main() -> None:
 
         def declare() -> None:
             declared.append(time.monotonic())
-            process_groups.fail_training_groups("test abort")
+            training_groups.fail_training_groups("test abort")
 
         threading.Timer(1.0, declare).start()
         t0 = time.monotonic()
@@ -100,7 +101,7 @@ def main() -> None:
     for _ in range(4):
         dist.all_reduce(big)
     result["bytes_per_allreduce"] = (_wchar() - before) / 4
-    result["ordered_sums"] = elastic_controller.controller().ordered_sums
+    result["ordered_sums"] = controller.controller().ordered_sums
     dist.barrier()
     write_result(cfg["out"], rank, result)
 

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from replication.config import ReplicationConfig
-from replication.replicator import _META_TAG as META_TAG
-from replication.replicator import ReplicationError, Replicator
-from replication.snapshot import restore_from_buffer
-from replication.state import TrainingState
+from replication.replica_protocol.replicator import _META_TAG as META_TAG
+from replication.replica_protocol.replicator import ReplicationError, Replicator
+from replication.snapshots.snapshot import restore_from_buffer
+from replication.training_state.state import TrainingState
 from tests.helpers.mp import tcp_store, write_result
 from tests.helpers.training import (
     Holder,

@@ -34,10 +34,10 @@ from recovery.integrations.lightning.state import (
     split_checkpoint,
     to_plain_lightning,
 )
-from replication.codec import CodecError, encode
 from replication.config import PersistenceConfig
-from replication.snapshot import SnapshotEngine
-from replication.state import TrainingState
+from replication.snapshots.snapshot import SnapshotEngine
+from replication.training_state.codec import CodecError, encode
+from replication.training_state.state import TrainingState
 
 log = logging.getLogger("checkpointless.lightning")
 

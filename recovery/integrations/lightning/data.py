@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from recovery import hosted_loader
-from recovery.loader_position import is_stateful as _stateful
-from recovery.loader_position import open_from, skip
+from recovery.loader import hosted_loader
+from recovery.loader.loader_position import is_stateful as _stateful
+from recovery.loader.loader_position import open_from, skip
 
 _OWN = frozenset({"_inner", "_hooks", "_yielded", "_creation_rng", "_resume", "_hosted"})
 
@@ -53,7 +53,7 @@ class ResumableLoader:
 
     def host(self, ranks: tuple[int, ...], configured: int) -> None:
         """Hand out, per step, the batches the configured world's ``ranks`` would get,
-        joined (the job shrank: :mod:`recovery.hosted_loader`)."""
+        joined (the job shrank: :mod:`recovery.loader.hosted_loader`)."""
         self._hosted = hosted_loader.Hosting(self._inner, ranks, configured)
 
     # -- transparency ------------------------------------------------------------------

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from recovery.errors import RecoveryImpossible
+from recovery.common.errors import RecoveryImpossible
 from recovery.integrations.lightning import loop_state
-from replication.codec import CodecError
+from replication.training_state.codec import CodecError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

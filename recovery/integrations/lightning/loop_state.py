@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from replication import codec
-from replication.state import clone_tensors
+from replication.training_state import codec
+from replication.training_state.state import clone_tensors
 
 log = logging.getLogger("checkpointless.lightning")
 

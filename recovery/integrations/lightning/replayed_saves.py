@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from recovery import auth
+from recovery.job_store import auth
 
 _MARK = "_checkpointless_replay_aware"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from replication.codec import CodecError, encode
-from replication.state import RNGState, TrainingState
+from replication.training_state.codec import CodecError, encode
+from replication.training_state.state import RNGState, TrainingState
 
 #: Top-level checkpoint keys that hold hyper-parameters (module and datamodule).
 HPARAM_KEYS = frozenset({

@@ -1,10 +1,11 @@
 """``Trainer(strategy="checkpointless")``: DDP that survives rank and node failures in-process.
 
-The strategy drives the worker runtime (:class:`recovery.runtime.Checkpointless`) from
+The strategy drives the worker runtime (:class:`recovery.runtime.checkpointless.Checkpointless`)
+from
 inside Lightning's own loop; the script changes nothing but the strategy name:
 
 - **Process groups.** The runtime creates the job's process group (its own backend,
-  :mod:`recovery.elastic_group`, instead of ``init_process_group("env://")``). It lives
+  :mod:`recovery.process_group.owned_group`, instead of ``init_process_group("env://")``). It lives
   across generations: after a failure only its inner gloo group is swapped, and DDP is
   re-wrapped on it when ``fit`` is re-entered.
 - **Step boundary.** The training loader is wrapped (``process_dataloader``) so that the
@@ -40,16 +41,8 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
-from recovery import (
-    ddp_layout,
-    device_placement,
-    hosted_loader,
-    live_rollback,
-    protocol,
-    world,
-    world_resize,
-)
-from recovery.env import WorkerEnv
+from recovery.common.env import WorkerEnv
+from recovery.generation import protocol, world
 from recovery.integrations.lightning import loop_state, replayed_saves
 from recovery.integrations.lightning.checkpoint_io import (
     LATEST,
@@ -68,7 +61,11 @@ from recovery.integrations.lightning.state import (
     LightningState,
     ModelBuffers,
 )
+from recovery.loader import hosted_loader
+from recovery.process_group import ddp_layout, device_placement
 from recovery.recipe import CheckpointlessConfig, load_config, worker_config
+from recovery.resize import world_resize
+from recovery.runtime import live_rollback
 from replication import contract
 
 log = logging.getLogger("checkpointless.lightning")
@@ -115,7 +112,8 @@ class CheckpointlessStrategy(DDPStrategy):
         if contract.ENV_CONFIG not in os.environ and settings is None and (recipe or overrides):
             self._given_settings = load_config(recipe, self._overrides)  # fail early
         self.lstate = LightningState()
-        self.session: Any = None  # recovery.runtime.Checkpointless, once the job is joined
+        #: recovery.runtime.checkpointless.Checkpointless, once the job is joined
+        self.session: Any = None
         self.finished = False
         self.abandoning = False
         self._started = False
@@ -153,7 +151,7 @@ class CheckpointlessStrategy(DDPStrategy):
     def _setup_model(self, model: Any) -> Any:
         """Lightning's DDP, over the bucket layout of the restored step after a recovery
         (each ``fit`` attempt wraps the module in a new DDP; see
-        :mod:`recovery.ddp_layout`)."""
+        :mod:`recovery.process_group.ddp_layout`)."""
         ddp = super()._setup_model(model)
         if self.session is not None:
             ddp_layout.track(self.session.state).adopt(ddp)
@@ -169,7 +167,7 @@ class CheckpointlessStrategy(DDPStrategy):
         A replacement (or any process started after a failure) receives the state of
         the newest committed step here, before Lightning builds anything.
         """
-        from recovery.runtime import Checkpointless
+        from recovery.runtime.checkpointless import Checkpointless
 
         if self.session is None:
             env = WorkerEnv.from_environ()
@@ -250,7 +248,8 @@ class CheckpointlessStrategy(DDPStrategy):
         return step
 
     def _get_process_group_backend(self) -> str:
-        """The inner backends of the runtime's group, per device (:mod:`recovery.elastic_init`).
+        """The inner backends of the runtime's group, per device
+        (:mod:`recovery.process_group.init_hook`).
 
         ``process_group_backend="gloo"`` on GPUs: the runtime reads a bare ``"gloo"`` as
         CPU tensors only, so DDP's all-reduce of CUDA gradients would find no backend in
@@ -454,7 +453,7 @@ class CheckpointlessStrategy(DDPStrategy):
     def _warn_epoch_boundary(self, step: int, every: int) -> None:
         """A snapshot due at an epoch's last step is taken one step later: resuming
         at an epoch's first batch would run ``on_train_epoch_start`` hooks twice. A
-        durable save due there moves with it (:mod:`recovery.save_schedule`)."""
+        durable save due there moves with it (:mod:`recovery.schedules.save_schedule`)."""
         if not self._warned_epoch_boundary and self.global_rank == 0:
             self._warned_epoch_boundary = True
             log.warning(

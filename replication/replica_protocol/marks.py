@@ -1,0 +1,408 @@
+"""Per-step marks: what a data-parallel job needs to go on from its last completed step
+after a failure, without a snapshot of that step and without replaying anything.
+
+In a data-parallel job the model and its optimizer state are the same on every rank,
+and a failure detected in step K (in its gradient all-reduce, or at the next step's
+start) finds them still as they were at the end of step K-1: the optimizer step that
+would change them never ran. What differs per rank and moves inside a step is small:
+the RNG, the data position, the scheduler, loop counters, the user's own objects. A
+*mark* is that small part, captured through the snapshot codec at every step boundary,
+together with the version counters of every tensor of the large entries (and the
+optimizers' hyperparameters), which tell later whether those entries are still the
+boundary's. Each rank sends its mark to its replica holders every step; a lost rank's
+replacement then gets the large entries from any survivor's live tensors and its own
+small part from its holder (ADR 0039).
+
+What is "large": the entries declared data-parallel (a DDP module, the model given to
+``all_reduce_gradients``) and every optimizer all of whose parameters belong to them.
+The data-parallel modules' persistent buffers (batch norm statistics) move in every
+forward pass, so a mark holds them by value too. A job with any other module or
+optimizer entry (an FSDP2 shard, a model not declared data-parallel) has no marks: its
+recoveries take the snapshot path. So does one whose
+small part outgrows :data:`MAX_MARK_BYTES` (an EMA copy of the model registered as a
+plain object, say): capturing it at every step would cost what a snapshot does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replication.side_channel import tags
+from replication.side_channel.transport import SideChannel, TransportError
+from replication.side_channel.work_waiter import Waiters
+from replication.snapshots.snapshot import encode_to_buffer, restore_from_buffer
+from replication.training_state.layout import flatten
+from replication.training_state.snapshot_meta import SnapshotMeta
+from replication.training_state.state import TrainingState
+
+log = logging.getLogger("checkpointless.replication")
+
+MAX_MARK_BYTES = 4 << 20  # a larger small part makes the job's recoveries take snapshots
+SENDS_IN_FLIGHT = 8  # marks not yet taken by a holder before this rank skips one
+FIRST_CAPACITY = 64 << 10  # bytes of the first mark message (see MarkExchange)
+SEND_WAIT_S = 0.05  # the longest a step's end waits for its mark to leave
+_HEADER = 24  # step, length, next message's size: three int64
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One rank's small part at the end of ``step``: the snapshot metadata and bytes of
+    its small entries (checksummed like a snapshot's segments)."""
+
+    step: int
+    meta: SnapshotMeta
+    buffer: torch.Tensor
+
+    def to_tensor(self) -> torch.Tensor:
+        """One byte tensor: the metadata's length (8 bytes), the metadata, the bytes."""
+        raw = self.meta.to_bytes()
+        out = torch.empty(8 + len(raw) + self.buffer.numel(), dtype=torch.uint8)
+        out[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+        out[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out[8 + len(raw) :] = self.buffer
+        return out
+
+    @staticmethod
+    def from_tensor(data: torch.Tensor) -> Mark:
+        meta_len = int(data[:8].view(torch.int64).item())
+        meta = SnapshotMeta.from_bytes(data[8 : 8 + meta_len].numpy().tobytes())
+        return Mark(meta.step, meta, data[8 + meta_len :].clone())
+
+
+def large_entries(state: TrainingState, data_parallel: Iterable[str]) -> list[str] | None:
+    """The entries a mark leaves out (the data-parallel modules and their optimizers),
+    or ``None`` when the job cannot have marks: some module or optimizer entry is
+    neither (see the module docstring), or nothing is data-parallel."""
+    dp = set(data_parallel)
+    params = {id(p) for name, obj in state if name in dp and isinstance(obj, torch.nn.Module)
+              for p in obj.parameters()}
+    large = []
+    for name, obj in state:
+        if name in dp and isinstance(obj, torch.nn.Module):
+            large.append(name)
+        elif isinstance(obj, torch.nn.Module):
+            return None
+        elif isinstance(obj, torch.optim.Optimizer):
+            mine = [id(p) for g in obj.param_groups for p in g["params"]]
+            if not mine or not all(i in params for i in mine):
+                return None
+            large.append(name)
+    return large if any(n in dp for n in large) else None
+
+
+def _large_tensors(objs: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors whose versions say whether the large entries moved: parameters and
+    optimizer state. Not buffers: DDP writes them in every forward (it broadcasts rank
+    0's), and batch norm moves its statistics there; marks carry them instead."""
+    out: list[torch.Tensor] = []
+    for obj in objs:
+        if isinstance(obj, torch.nn.Module):
+            out += list(obj.parameters())
+        else:
+            out += [t for s in obj.state.values() for t in s.values() if torch.is_tensor(t)]
+    return out
+
+
+BUFFERS = "_dp_buffers"  # the mark's entry holding the data-parallel modules' buffers
+
+
+class _Buffers:
+    """The persistent buffers of the data-parallel modules (batch norm statistics, step
+    counters), as one state entry of the marks: they move in a step's forward pass, so a
+    mark holds them by value. Keys are ``entry/buffer``; a load finds each module by its
+    entry name, so a replacement that has not declared anything loads them as well."""
+
+    def __init__(self, state: TrainingState, names: Iterable[str]) -> None:
+        self.state = state
+        self.names = list(names)
+
+    def _buffers(self, name: str) -> dict[str, torch.Tensor]:
+        module = next(obj for entry, obj in self.state if entry == name)
+        persistent = module.state_dict(keep_vars=True)
+        return {k: b for k, b in module.named_buffers() if k in persistent}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"{name}/{k}": b for name in self.names for k, b in self._buffers(name).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                name, _, buffer = key.partition("/")
+                if name not in found:
+                    found[name] = self._buffers(name)
+                found[name][buffer].copy_(value)
+
+
+def _hyperparameters(objs: Sequence[Any]) -> str:
+    """The optimizers' non-tensor settings (a scheduler changes ``lr`` in place)."""
+    return repr([[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+                 for o in objs if isinstance(o, torch.optim.Optimizer)])
+
+
+class MarkBook:
+    """This rank's newest mark and the version record taken with it, and the newest
+    mark it holds of each peer. Carried from one generation to the next, like the
+    snapshots and replicas."""
+
+    def __init__(self, state: TrainingState) -> None:
+        self.state = state
+        self.large: list[str] | None = None  # None: no marks (see large_entries)
+        self._small: TrainingState | None = None
+        self._large_objs: list[Any] = []
+        self.own: Mark | None = None
+        self._versions: tuple[tuple[int, int], ...] = ()
+        self._hyper = ""
+        self.held: dict[int, Mark] = {}
+        self._lock = threading.Lock()
+        self._too_large_warned = False
+        self._buffers_entry: Any = None  # set by declare_parts, for good
+
+    @property
+    def at_snapshots(self) -> bool:
+        """Whether marks hold a state declared by parts (:meth:`declare_parts`)."""
+        return self._buffers_entry is not None
+
+    def declare_parts(self, large: Sequence[str], buffers: Any) -> None:
+        """Marks of a state whose large entries are not live objects but parts of a
+        checkpoint taken at each snapshot (the Lightning strategy's model and optimizer
+        parts): a mark is taken only right after a snapshot's capture, and the step a
+        survivor can go on from is that snapshot's, whose slot holds the large entries
+        (no version counters: the snapshot is the evidence, and the survivors restore
+        it). ``buffers``: a state entry holding the modules' persistent buffers by value
+        (they differ per rank after a forward pass), loaded after the large entries."""
+        if self.at_snapshots and list(large) == self.large:
+            return
+        self.large, self.own = list(large), None
+        small = TrainingState(rng=False)
+        for name, obj in self.state:
+            if name not in self.large:
+                small.register(name, obj)
+        small.register(BUFFERS, buffers)
+        self._small, self._large_objs, self._buffers_entry = small, [], buffers
+
+    def declare(self, data_parallel: Iterable[str]) -> None:
+        """The data-parallel entries are known (or changed): which entries marks hold."""
+        if self.at_snapshots:  # declared by parts, for good
+            return
+        large = large_entries(self.state, data_parallel)
+        if large == self.large:
+            return
+        self.large, self.own, self._small = large, None, None
+        if large is not None:
+            small = TrainingState(rng=False)
+            for name, obj in self.state:
+                if name not in large:
+                    small.register(name, obj)
+            modules = [n for n, o in self.state if n in large and isinstance(o, torch.nn.Module)]
+            small.register(BUFFERS, _Buffers(self.state, modules))
+            self._small = small
+            self._large_objs = [obj for name, obj in self.state if name in large]
+
+    def capture(self, step: int) -> Mark | None:
+        """Mark the end of ``step``; ``None`` when the job has no marks."""
+        if self._small is None:
+            return None
+        flat = flatten(self._small.capture())
+        if flat.layout.nbytes > MAX_MARK_BYTES:
+            self._give_up(flat.layout.nbytes)
+            return None
+        mark = Mark(step, *encode_to_buffer(flat, step))
+        self.own = mark
+        self._versions = tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
+        self._hyper = _hyperparameters(self._large_objs)
+        return mark
+
+    def _give_up(self, nbytes: int) -> None:
+        if not self._too_large_warned:
+            self._too_large_warned = True
+            log.warning("live rollback off: the state besides the data-parallel model and "
+                        "optimizer is %d bytes per step (over %d); recoveries replay from "
+                        "the last snapshot", nbytes, MAX_MARK_BYTES)
+        self.large, self._small, self.own = None, None, None
+
+    def live_step(self) -> int:
+        """The step whose end the live state still is (its large entries untouched
+        since that step's mark), or -1. Declared by parts: the step of the newest mark
+        (the caller checks that its snapshot is still held)."""
+        if self._small is None or self.own is None:
+            return -1
+        if self.at_snapshots:
+            return self.own.step
+        now = tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
+        if now != self._versions or _hyperparameters(self._large_objs) != self._hyper:
+            return -1
+        return self.own.step
+
+    def restore_small(self, mark: Mark) -> None:
+        """Load ``mark``'s small entries into the live objects (verified first). The
+        entries are the ones the mark holds, so a replacement that has not declared its
+        data-parallel entries yet loads a survivor's marks all the same."""
+        restore_from_buffer(self.subset(s.name for s in mark.meta.layout.segments),
+                            mark.buffer, mark.meta)
+
+    def subset(self, names: Iterable[str]) -> TrainingState:
+        """The registered entries named ``names`` (and the marks' buffers entry), as a
+        state of their own."""
+        wanted = set(names)
+        out = TrainingState(rng=False)
+        for name, obj in self.state:
+            if name in wanted:
+                out.register(name, obj)
+        if BUFFERS in wanted:
+            out.register(BUFFERS, self._buffers_entry if self.at_snapshots
+                         else _Buffers(self.state, ()))
+        missing = wanted - set(out.names())
+        if missing:
+            raise KeyError(f"state entries {sorted(missing)} are not registered here")
+        return out
+
+    def store_peer(self, src: int, mark: Mark) -> None:
+        with self._lock:
+            self.held[src] = mark
+
+    def held_steps(self) -> dict[int, int]:
+        with self._lock:
+            return {src: m.step for src, m in self.held.items()}
+
+    def peer(self, src: int, step: int) -> Mark:
+        with self._lock:
+            mark = self.held.get(src)
+        if mark is None or mark.step != step:
+            raise KeyError(f"no mark of rank {src} at step {step}")
+        return mark
+
+
+def _capacity(nbytes: int) -> int:
+    """The size of the message after one that carried ``nbytes``: room to grow a
+    quarter, in whole pages, and never under :data:`FIRST_CAPACITY`."""
+    return max(FIRST_CAPACITY, -(-(nbytes + nbytes // 4) // 4096) * 4096)
+
+
+class MarkExchange:
+    """One generation's sending and receiving of marks over its side channel.
+
+    A mark travels as one message of a size both sides know in advance, so a holder
+    always has the receive for the next one posted and the bytes move in gloo's own
+    threads as soon as they are sent, whatever the holder's Python threads are doing:
+    ``[step, length, next size]`` (three int64), the mark, padding. Each message names
+    the size of the next (:func:`_capacity` of this one's); a mark that does not fit
+    is not sent, and an empty message (step -1) carries the larger size instead.
+
+    The training thread never blocks in gloo: it posts the sends and a daemon thread
+    waits for them (gloo's point-to-point works end only in ``wait``); the training
+    thread waits for that thread at most :data:`SEND_WAIT_S` (see :meth:`send`), and a
+    mark whose holders have not yet taken :data:`SENDS_IN_FLIGHT` earlier ones is
+    skipped (the holder keeps an older mark, and a failure then takes the snapshot
+    path). One daemon thread per
+    source receives its marks. Every wait goes through waiters that :meth:`stop`
+    releases at once (:mod:`replication.side_channel.work_waiter`), so neither an abort nor the end
+    of the job waits on a peer."""
+
+    def __init__(self, channel: SideChannel, rank: int, holders: Sequence[int],
+                 sources: Sequence[int], book: MarkBook) -> None:
+        self.channel = channel
+        self.rank = rank
+        self.holders = [h for h in holders if h != rank]
+        self.book = book
+        self.skipped = 0
+        self._capacity = FIRST_CAPACITY  # the size of the next message sent
+        self._posted = 0
+        self._ended = 0  # sends whose wait returned (or failed), counted by the reaper
+        self._sends: queue.SimpleQueue[tuple[list, threading.Event] | None] = \
+            queue.SimpleQueue()
+        self._waiters = Waiters("checkpointless-marks-wait", channel.timeout)
+        self._threads = [threading.Thread(target=self._receive, args=(src,), daemon=True,
+                                          name=f"checkpointless-marks-{src}")
+                         for src in sources if src != rank]
+        self._threads.append(threading.Thread(target=self._reap, daemon=True,
+                                              name="checkpointless-marks-sent"))
+        for t in self._threads:
+            t.start()
+
+    def send(self, mark: Mark) -> bool:
+        """Post ``mark`` to every holder; False if it was skipped (see the class)."""
+        if not self.holders:
+            return False
+        if self._posted - self._ended >= SENDS_IN_FLIGHT:
+            self.skipped += 1
+            return False
+        data = mark.to_tensor()
+        fits = _HEADER + data.numel() <= self._capacity
+        msg = torch.zeros(self._capacity, dtype=torch.uint8)
+        following = _capacity(_HEADER + data.numel())
+        msg[:_HEADER] = torch.tensor([mark.step if fits else -1, data.numel() if fits else 0,
+                                      following], dtype=torch.int64).view(torch.uint8)
+        if fits:
+            msg[_HEADER : _HEADER + data.numel()] = data
+        works: list = []
+        try:
+            for h in self.holders:
+                works += self.channel.post_send(msg, h, tags.MARK_DATA, 1 << 30)
+        except TransportError:
+            return False  # the generation is ending: its recovery says what happened
+        self._capacity = following
+        self._posted += 1
+        sent = threading.Event()
+        self._sends.put(([*works, _Keep(msg)], sent))  # the bytes live until sent
+        # A holder's receive is always posted, so the bytes leave at once; waiting for
+        # that (never longer than SEND_WAIT_S) keeps a rank killed early in its next
+        # step from taking this mark with it. The wait is on the reaper, not on gloo.
+        sent.wait(SEND_WAIT_S)
+        if not fits:
+            self.skipped += 1
+        return fits
+
+    def stop(self) -> None:
+        """End the threads now (the generation is over, or the job)."""
+        self._sends.put(None)
+        self._waiters.abandon()
+
+    def _reap(self) -> None:
+        while (item := self._sends.get()) is not None:
+            works, sent = item
+            try:
+                for w in works:
+                    self._waiters.wait(w)
+            except Exception:  # a dead holder, an abort: the recovery deals with it
+                pass
+            self._ended += 1
+            sent.set()
+
+    def _receive(self, src: int) -> None:
+        try:
+            capacity = FIRST_CAPACITY
+            buf = torch.empty(capacity, dtype=torch.uint8)
+            works = self.channel.post_recv(buf, src, tags.MARK_DATA, 1 << 30)
+            while True:
+                for w in works:
+                    self._waiters.wait(w)
+                step, nbytes, capacity = (int(x) for x in buf[:_HEADER].view(torch.int64))
+                landed = buf
+                buf = torch.empty(capacity, dtype=torch.uint8)  # the next one, posted first
+                works = self.channel.post_recv(buf, src, tags.MARK_DATA, 1 << 30)
+                if step >= 0:
+                    mark = Mark.from_tensor(landed[_HEADER : _HEADER + nbytes])
+                    if mark.step == step:
+                        self.book.store_peer(src, mark)
+        except Exception:  # stopped, aborted, or a malformed mark: this generation is over
+            return
+
+
+class _Keep:
+    """Keeps a send's tensors alive while it is in flight; a wait on it returns at once."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
