@@ -67,6 +67,10 @@ class RunArgs:
     #: Fork workers and spares from a zygote that imported torch once (False: each
     #: worker and spare is a new interpreter that imports torch itself).
     zygote: bool = True
+    #: Modules the zygote imports besides the script's own (--preload), and modules it
+    #: must leave to the workers (--no-preload; "*": none of the script's).
+    preload: tuple[str, ...] = ()
+    no_preload: tuple[str, ...] = ()
     #: Set by :func:`prepare`: the job secret (None: generate or share one locally).
     job_secret: bytes | None = field(default=None, repr=False, compare=False)
     #: Set by :func:`prepare`: where this node listens.
@@ -155,6 +159,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
           help="start each worker and warm spare as a new interpreter instead of forking "
           "it from a zygote that imported torch once (Linux; see docs/adr/0029-workers-"
           "forked-from-the-zygote.md)")
+    _flag(parser, "preload", default="", metavar="MOD[,MOD]",
+          help="modules the zygote imports before forking workers and spares, besides "
+          "the ones the script imports (each checked first: one that initialises CUDA, "
+          "starts threads or fails is left to the workers)")
+    _flag(parser, "no-preload", dest="no_preload", default="", metavar="MOD[,MOD]|*",
+          help="modules (with their submodules) the zygote leaves to the workers; '*': "
+          "import none of the script's modules in the zygote")
     _flag(parser, "no-fork-spares", dest="zygote", action="store_false",
           help=argparse.SUPPRESS)  # its older name, from when only spares were forked
     _flag(parser, "job-secret-file", dest="job_secret_file", default=None, metavar="FILE",
@@ -276,11 +287,23 @@ def _validate(
         bind=getattr(ns, "bind", None),
         job_secret_file=getattr(ns, "job_secret_file", None),
         zygote=getattr(ns, "zygote", True),
+        preload=_module_list("--preload", getattr(ns, "preload", "")),
+        no_preload=_module_list("--no-preload", getattr(ns, "no_preload", ""), star=True),
         rdzv_backend=backend,
         etcd_endpoints=etcd_endpoints,
         placement=placement,
         on_sigterm=on_sigterm,
     )
+
+
+def _module_list(flag: str, value: str, star: bool = False) -> tuple[str, ...]:
+    """``a,b.c`` as module names; :class:`UsageError` naming the first that is not."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    for name in names:
+        if not (star and name == "*") and not all(p.isidentifier() for p in name.split(".")):
+            raise UsageError(f"{flag}: {name!r} is not a module name (give MOD[,MOD], "
+                             "e.g. transformers,datasets)")
+    return names
 
 
 def prepare(args: RunArgs, environ: Mapping[str, str] | None = None) -> RunArgs:

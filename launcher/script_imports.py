@@ -11,6 +11,8 @@ stays its own business, paid in each worker as before.
 from __future__ import annotations
 
 import ast
+import os
+import sys
 
 from recovery.integrations.autoload import SPARE_WARM
 
@@ -44,4 +46,84 @@ def _top_level_packages(body: list[ast.stmt]) -> set[str]:
             for block in (node.body, node.orelse, getattr(node, "finalbody", []),
                           *(h.body for h in getattr(node, "handlers", []))):
                 found |= _top_level_packages(block)
+    return found
+
+
+#: Packages of this project: a spare imports them already (``launcher.spare.WARM_MODULES``).
+OWN_PACKAGES = frozenset({"recovery", "replication", "launcher", "dataloader_cache"})
+#: How deep :func:`modules_to_preload` follows the script's local modules.
+LOCAL_DEPTH = 3
+
+
+def modules_to_preload(script: str, module: bool, extra: tuple[str, ...] = (),
+                       deny: tuple[str, ...] = ()) -> list[str]:
+    """The modules a zygote should import for ``script`` before it forks, in the order
+    the script imports them: every module-level import of the script, and of the local
+    modules it imports (files beside it, followed ``LOCAL_DEPTH`` deep; never imported
+    themselves, since a local module may do the rank's own work), that is neither in
+    the standard library nor of this project, and each name a ``from`` import takes of
+    it (``module:name``: some packages load a name's module only when it is looked up);
+    then ``extra``. A name in ``deny``, or
+    under one, is left out; ``deny=("*",)`` leaves out everything. Whether each is safe
+    to import before a fork is the zygote's check (:mod:`launcher.preload`)."""
+    if "*" in deny:
+        return []
+    found: list[str] = []
+    if not module:
+        _collect(os.path.abspath(script), found, set(), LOCAL_DEPTH)
+    return [m for m in dict.fromkeys([*found, *extra])
+            if not any(m.split(":")[0] == d or m.startswith(d + ".") for d in deny)]
+
+
+def _collect(path: str, found: list[str], seen: set[str], depth: int) -> None:
+    if path in seen or depth < 0:
+        return
+    seen.add(path)
+    tree = _parse(path)
+    if tree is None:
+        return
+    here = os.path.dirname(path)
+    for name in _top_level_modules(tree.body):
+        top = name.split(".")[0].split(":")[0]
+        local = _local_file(here, top)
+        if local is not None:
+            _collect(local, found, seen, depth - 1)
+        elif top not in sys.stdlib_module_names and top not in OWN_PACKAGES \
+                and top != "__future__":
+            found.append(name)
+
+
+def _parse(path: str) -> ast.Module | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _local_file(here: str, top: str) -> str | None:
+    """The file of a module that lives beside the script (its directory is first on the
+    worker's ``sys.path``), or None."""
+    for candidate in (os.path.join(here, f"{top}.py"), os.path.join(here, top, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _top_level_modules(body: list[ast.stmt]) -> list[str]:
+    """Absolute modules imported at module level (also inside a top-level ``if`` or
+    ``try``), in order; ``from a.b import c`` gives ``a.b`` and ``a.b:c``."""
+    found: list[str] = []
+    for node in body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # ``from transformers import GPT2LMHeadModel``: the names too, since a
+            # package may load a name's module only when it is first looked up
+            found.append(node.module)
+            found += [f"{node.module}:{a.name}" for a in node.names if a.name != "*"]
+        elif isinstance(node, ast.If | ast.Try):
+            for block in (node.body, node.orelse, getattr(node, "finalbody", []),
+                          *(h.body for h in getattr(node, "handlers", []))):
+                found += _top_level_modules(block)
     return found

@@ -62,12 +62,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from launcher.preload import describe as describe_preload
 from launcher.sigint_hold import sigint_held
 from recovery.common.events import Event
 from replication.errors import CheckpointlessError
 from replication.forked import ForkedProcess
 
 ZYGOTE_MODULE = "launcher.zygote"
+#: The script's modules for a zygote started as a new interpreter (JSON list; removed
+#: from its environment before anything runs: its forks never see it).
+PRELOAD_ENV = "CHECKPOINTLESS_INTERNAL_ZYGOTE_PRELOAD"
 REPLY_TIMEOUT_S = 10.0
 
 
@@ -159,22 +163,27 @@ class Zygote:
     """The agent's handle on its zygote process. Not thread-safe: the agent's loop
     is its only caller."""
 
-    def __init__(self, env: Mapping[str, str], emit: Callable[..., object]) -> None:
+    def __init__(self, env: Mapping[str, str], emit: Callable[..., object],
+                 log: Callable[[str], None] | None = None) -> None:
         self._env = dict(env)
         self._emit = emit
+        self._log = log
         self._sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self._ready = False
         self.failed: str | None = None
         self.last_fork_s = 0.0  # how long the last fork request took (reported)
 
-    def start(self) -> None:
+    def start(self, preload: list[str] | tuple[str, ...] = ()) -> None:
+        """Start the zygote as a new interpreter; it imports ``preload`` (the script's
+        modules, :mod:`launcher.preload`) before it is ready."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**self._env, PRELOAD_ENV: json.dumps(list(preload))} if preload else self._env
         try:
             with sigint_held():  # until main() ignores it
                 self.proc = subprocess.Popen(
                     [sys.executable, "-u", "-m", ZYGOTE_MODULE, str(theirs.fileno())],
-                    pass_fds=[theirs.fileno()], env=self._env, stdin=subprocess.DEVNULL,
+                    pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                 )
         except OSError as exc:
@@ -210,14 +219,18 @@ class Zygote:
         return zygote
 
     def configure(self, env: Mapping[str, str], emit: Callable[..., object],
-                  warm: tuple[str, ...] = ()) -> None:
+                  warm: tuple[str, ...] = (), preload: list[str] | tuple[str, ...] = (),
+                  log: Callable[[str], None] | None = None) -> None:
         """Give a zygote from :meth:`fork_early` the job's environment, the agent's
-        event log, and the modules to import before the first fork (``warm``: see
-        :mod:`launcher.script_imports`); it warms up once it has them."""
-        self._env, self._emit = dict(env), emit
+        event log and console, and the modules to import before the first fork
+        (``warm``: the frameworks, see :mod:`launcher.script_imports`; ``preload``: the
+        script's own, checked first, see :mod:`launcher.preload`); it warms up once it
+        has them."""
+        self._env, self._emit, self._log = dict(env), emit, log
         try:
             assert self._sock is not None
-            self._sock.send(json.dumps({"env": self._env, "warm": list(warm)}).encode())
+            self._sock.send(json.dumps({"env": self._env, "warm": list(warm),
+                                        "preload": list(preload)}).encode())
         except OSError as exc:
             self._fail(f"could not configure the forked zygote: {exc}")
             return
@@ -239,7 +252,12 @@ class Zygote:
                 return False
             if msg.get("ready"):
                 self._ready = True
-                self._emit(Event.ZYGOTE_READY, pid=self.proc.pid if self.proc else None)
+                report = {k: msg[k] for k in ("preloaded", "left", "preload_s") if k in msg}
+                self._emit(Event.ZYGOTE_READY, pid=self.proc.pid if self.proc else None,
+                           **report)
+                line = describe_preload(report)
+                if line and self._log is not None:
+                    self._log(line)
         return self._ready
 
     def fork_spare(self, args: Any = None) -> ForkedProcess:
@@ -277,7 +295,7 @@ class Zygote:
         assert self._sock is not None
         if timeout_s and not select.select([self._sock], [], [], timeout_s)[0]:
             raise ZygoteError(f"no answer within {timeout_s:.0f} s")
-        data = self._sock.recv(4096)
+        data = self._sock.recv(_ENV_MESSAGE_MAX)
         if not data:
             self._fail("the zygote exited")
             raise ZygoteError(self.failed)
@@ -419,6 +437,7 @@ def run_forked(fd: int) -> int:
         os._exit(0)  # the agent ended before it needed a zygote
     msg = json.loads(data)
     env, warm = msg["env"], tuple(msg.get("warm", ()))
+    preload = list(msg.get("preload", ()))
     os.environ.clear()
     os.environ.update(env)
     _stay_cuda_free()
@@ -428,7 +447,7 @@ def run_forked(fd: int) -> int:
     # sets 1 for several workers per node, as torchrun does) is applied here instead.
     threads = env.get("OMP_NUM_THREADS", "")
     return _warm_and_serve(sock, int(threads) if threads.isdigit() and int(threads) > 0
-                           else torch.get_num_threads(), warm)
+                           else torch.get_num_threads(), warm, preload)
 
 
 def main(argv: list[str]) -> int:
@@ -437,13 +456,16 @@ def main(argv: list[str]) -> int:
     # here inherits this and takes the default back when it runs a rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
+    preload = json.loads(os.environ.pop(PRELOAD_ENV, "[]"))
     _stay_cuda_free()  # before torch is imported
     import torch
 
-    return _warm_and_serve(sock, torch.get_num_threads())
+    return _warm_and_serve(sock, torch.get_num_threads(), (), preload)
 
 
-def _warm_and_serve(sock: socket.socket, threads: int, warm: tuple[str, ...] = ()) -> int:
+def _warm_and_serve(sock: socket.socket, threads: int, warm: tuple[str, ...] = (),
+                    preload: list[str] | None = None) -> int:
+    from launcher.preload import preload as preload_modules
     from launcher.spare import warm_up
 
     # At the job's priority throughout: the zygote must be warm by the first failure,
@@ -461,11 +483,14 @@ def _warm_and_serve(sock: socket.socket, threads: int, warm: tuple[str, ...] = (
     # parallel op. A forked spare starts its own pool when it first needs one.
     torch.set_num_threads(1)
     warm_up(warm)
+    # The script's own imports, each checked in a forked probe first (launcher.preload):
+    # still with one intra-op thread, so the probes fork a process without a pool.
+    report = preload_modules(preload).as_message() if preload else {}
     torch.set_num_threads(threads)
     _freeze_heap()
     try:
         sock.send(json.dumps({"ready": True, "warm_s": round(time.monotonic() - t0, 3),
-                              "nice": job_nice}).encode())
+                              "nice": job_nice, **report}).encode())
     except OSError:
         return 0
     return _become_spare(_serve(sock))

@@ -44,8 +44,16 @@ def start_zygote(
     if early is not None:  # forked from the agent: it only needs the job's environment
         # for the first workers (ADR 0029)
         warm = script_imports.frameworks_to_warm(args.script, args.module)
-        early.configure(env, emit, warm)
+        early.configure(env, emit, warm, preload=preload_list(args), log=log)
         return early
-    zygote = Zygote(env, emit)
-    zygote.start()
+    zygote = Zygote(env, emit, log=log)
+    zygote.start(preload=preload_list(args))
     return zygote
+
+
+def preload_list(args: RunArgs) -> list[str]:
+    """What the zygote imports of the script's own modules before it forks (checked
+    there first, :mod:`launcher.preload`): ``--preload`` adds, ``--no-preload`` takes
+    away."""
+    return script_imports.modules_to_preload(args.script, args.module, args.preload,
+                                             args.no_preload)
