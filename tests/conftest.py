@@ -31,7 +31,7 @@ COMPAT_FILES = frozenset({
     "test_fsdp2_training.py", "test_inner_backends.py", "test_lightning_demo_models.py",
     "test_lightning_strategy.py", "test_live_rollback.py", "test_owned_group.py",
     "test_readme_loops.py", "test_recovery_faults.py", "test_shrink.py", "test_slurm.py",
-    "test_snapshot.py", "test_torch_internals.py",
+    "test_preload.py", "test_snapshot.py", "test_torch_internals.py",
 })
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
