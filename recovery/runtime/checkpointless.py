@@ -53,7 +53,7 @@ from replication.replica_protocol.replicator import Replicator
 from replication.side_channel.interruptible_store import StoreWaitInterrupted
 from replication.side_channel.transport import WaitAbandoned, wait_polled
 from replication.snapshots.memory import MemoryBudgetError
-from replication.training_state.state import TrainingState
+from replication.training_state.state import StateMismatch, TrainingState
 
 #: Seconds a failure's declaration and teardown may take (milliseconds, normally)
 #: before every thread's stack goes to stderr.
@@ -490,8 +490,8 @@ class Checkpointless:
                 fencing.leave(self.log, self.rank, self.gen, str(exc))
             except GenerationChanged:
                 self._teardown_generation()
-            except MemoryBudgetError as exc:  # the state grew past the budget: no retry helps
-                self._fatal(str(exc))
+            except (MemoryBudgetError, StateMismatch) as exc:  # no retry helps: the state
+                self._fatal(str(exc))  # grew past the budget, or this rank built it otherwise
             except Exception as exc:  # a failure during the recovery itself
                 if isinstance(exc, (CollectiveAborted, StoreWaitInterrupted)) \
                         and self.watchdog.failure_pending:  # a newer generation ended

@@ -24,6 +24,20 @@ except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
 
+class StateMismatch(CheckpointlessError, ValueError):
+    """A registered object refused the state captured for it: this process built it
+    differently from the one that captured the state. The same every time, so a
+    recovery that meets it stops the job instead of retrying."""
+
+    def __init__(self, name: str, obj: Any, exc: BaseException) -> None:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        super().__init__(
+            f"the state {name!r} ({type(obj).__qualname__}) cannot take the snapshot's values "
+            f"({type(exc).__name__}: {first}): build the same objects in every process "
+            "that may take this rank, a replacement included; a model built on the meta "
+            "device loses its tied weights in to_empty() (call model.tie_weights() after it)")
+
+
 @runtime_checkable
 class Stateful(Protocol):
     """Anything with ``state_dict``/``load_state_dict`` (torch's own protocol)."""
@@ -186,13 +200,16 @@ class TrainingState:
         for name, obj in self._entries.items():
             if name not in states:  # an optional entry (see mark_optional)
                 continue
-            if isinstance(obj, torch.nn.Module):
-                _restore_module(obj, states[name])
-            elif isinstance(obj, torch.optim.Optimizer):
-                restored = _rewrap_optimizer_dtensors(obj, clone_tensors(states[name]))
-                obj.load_state_dict(restored)
-            else:
-                obj.load_state_dict(clone_tensors(states[name], self._placed_copy))
+            try:
+                if isinstance(obj, torch.nn.Module):
+                    _restore_module(obj, states[name])
+                elif isinstance(obj, torch.optim.Optimizer):
+                    restored = _rewrap_optimizer_dtensors(obj, clone_tensors(states[name]))
+                    obj.load_state_dict(restored)
+                else:
+                    obj.load_state_dict(clone_tensors(states[name], self._placed_copy))
+            except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+                raise StateMismatch(name, obj, exc) from exc
 
     def _placed_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private copy of ``tensor`` on the device it was captured from."""
