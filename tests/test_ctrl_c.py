@@ -96,7 +96,7 @@ def test_ctrl_c_stops_every_node_with_one_line(tmp_path, moment):
         if moment == "training":
             assert said == [f"[checkpointless node {node}] SIGINT: stopping this node's "
                             "workers"], lines
-        assert len(lines) <= 4, lines  # joined, listening, the SIGINT line
+        assert len(lines) <= 5, lines  # joined, listening, the zygote's preload, the SIGINT line
 
 
 def test_sigterm_to_the_store_hosts_agent_mid_training_stops_the_job(tmp_path):
