@@ -27,26 +27,14 @@ def frameworks_to_warm(script: str, module: bool) -> tuple[str, ...]:
     parsed, gets nothing: the workers then import what they need, as before."""
     if module:
         return ()
-    try:
-        with open(script, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=script)
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+    tree = _parse(script)
+    if tree is None:
         return ()
     return SPARE_WARM if _top_level_packages(tree.body) & set(FRAMEWORKS) else ()
 
 
 def _top_level_packages(body: list[ast.stmt]) -> set[str]:
-    found: set[str] = set()
-    for node in body:
-        if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-        elif isinstance(node, ast.If | ast.Try):
-            for block in (node.body, node.orelse, getattr(node, "finalbody", []),
-                          *(h.body for h in getattr(node, "handlers", []))):
-                found |= _top_level_packages(block)
-    return found
+    return {name.split(":")[0].split(".")[0] for name in _top_level_modules(body)}
 
 
 #: Packages of this project: a spare imports them already (``launcher.spare.WARM_MODULES``).
