@@ -141,6 +141,14 @@ class Controller:
                                             interrupted=interrupted)
             except StoreWaitInterrupted as exc:
                 raise CollectiveAborted(f"checkpointless: {exc}") from None
+            except RuntimeError as exc:
+                # gloo's own connect error: a peer that had published its address died
+                # before the mesh was up ("Connection closed by peer"). A failure of the
+                # job's, as the same error from a collective is (works._as_failure), not
+                # of the script that called init_process_group: seen under load, where
+                # a peer killed just after its own set-up stopped the job as a bug.
+                raise CollectiveAborted(f"checkpointless: connecting generation {gen}'s "
+                                        f"process group failed: {exc}") from exc
             return _Inner(kind, gloo.backend, gloo)
         if kind == "nccl":  # pragma: no cover - needs GPUs (the GPU check runs one rank)
             backend = nccl_inner.make_backend(store, group._rank, group._size, timeout_s,
