@@ -26,7 +26,6 @@ saves, never an absolute number of seconds, and any other skip or failure fails.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 from examples.gpt import CharData, TinyGPT, lr_lambda, make_corpus, state_digest
 from replication.durable import latest_checkpoint, list_checkpoints, load, read_history, verify
 from replication.training_state.state import TrainingState
+from tests.helpers.durable_history import unjustified_skips
 from tests.recovery_harness import (
     REPO,
     assert_recovered,
@@ -88,18 +88,17 @@ def _in_force(changes: dict[int, int], step: int, first: int) -> int:
     return earlier[-1] if earlier else first
 
 
-_KEEP_UP = re.compile(r"still writing step (\d+) \(([\d.]+)s so far\); storage cannot keep up")
-
-
 def _saved(ckpt: Path, after: int, due: set[int] | None) -> dict[int, list[int]]:
     """rank -> steps after ``after`` it saved ("ok" rows of the history), checked against
     ``due`` and against the writer's own measurements.
 
     Each due step is saved by a rank, or skipped by it because its save of an earlier
     step was still being written (the writer's documented rule: a store that cannot
-    keep up never stalls training nor grows memory). Such a skip must name a step the
-    same rank saved, whose measured duration covers the time the skip reports: the
-    reference is this run's own saves, not a number of seconds. Any other status (a
+    keep up never stalls training nor grows memory), or because a newer due step
+    superseded it. Such a skip must name a step the same rank saved, whose measured
+    duration covers the time the skip reports, or the newer step the same rank handed
+    to the writer (:mod:`tests.helpers.durable_history`): the reference is this run's
+    own saves, not a number of seconds. Any other status (a
     failure, an abort, a skip for another reason) or a step saved that was not due
     fails, and the message names each row's status and why. At least one due step
     before the final one must be saved by every rank, so a run that skipped everything
@@ -108,15 +107,9 @@ def _saved(ckpt: Path, after: int, due: set[int] | None) -> dict[int, list[int]]
     rows = [r for r in read_history(str(ckpt)) if int(r["step"]) > after]
     ok = {(int(r["rank"]), int(r["step"])): float(r["duration_s"] or 0.0)
           for r in rows if r["status"] == "ok"}
-    unjustified = []
+    unjustified = unjustified_skips(rows)
     for r in rows:
-        if r["status"] == "ok":
-            continue
-        m = _KEEP_UP.search(r["detail"] or "") if r["status"] == "skipped" else None
-        busy = (int(r["rank"]), int(m.group(1))) if m else None
-        if busy is None or busy not in ok or ok[busy] + 0.05 < float(m.group(2)):
-            unjustified.append((r["step"], r["rank"], r["status"], r["detail"]))
-        elif due is not None and int(r["step"]) not in due:
+        if r["status"] != "ok" and due is not None and int(r["step"]) not in due:
             unjustified.append((r["step"], r["rank"], "skipped, not due", r["detail"]))
     assert not unjustified, unjustified
     saved = {rank: sorted(s for (rk, s) in ok if rk == rank) for rank in (0, 1)}
