@@ -230,15 +230,21 @@ def measure(quick: bool) -> dict[str, Any]:
         "predicted_commit_ms_16384": p16["tree_commit_ms"],
         "predicted_old_commit_ms_16384": p16["old_commit_queue_ms"],
         "predicted_old_commit_fit_ms_16384": p16["old_commit_fit_ms"],
+        # A crashed node (its agent's connections closed by its kernel), the loss
+        # bench_node_loss measures; a silent machine and a stalled agent alongside.
         "predicted_recovery_s_16384": p16["recovery_s"],
+        **{f"predicted_recovery_s_16384_{kind}": round(
+            M.recovery_s(PREDICT_AT[-1], rfits, cal, a, kind)["total_s"], 2)
+           for kind in M.DETECTION_KINDS},
+        "predicted_detection_s": {kind: round(M.detection_s(a, kind), 2)
+                                  for kind in M.DETECTION_KINDS},
         "predicted_recovery_s_16384_without_detection": round(
             p16["recovery_s"] - p16["recovery_parts"]["detection_s"], 2),
-        # The detection time is a setting, not a cost of scale: the same prediction with
-        # recovery.heartbeat_timeout_s=10 (a value a large job would choose) instead of
-        # the default 30 s.
-        "predicted_recovery_s_16384_at_heartbeat_timeout_10s": round(
+        # The stalled agent's detection is a setting, not a cost of scale: the same
+        # prediction with recovery.heartbeat_timeout_s=10 instead of the default 15 s.
+        "predicted_recovery_s_16384_stalled_at_heartbeat_timeout_10s": round(
             p16["recovery_s"] - p16["recovery_parts"]["detection_s"]
-            + M.detection_s(dataclasses.replace(a, heartbeat_timeout_s=10.0)), 2),
+            + M.detection_s(dataclasses.replace(a, heartbeat_timeout_s=10.0), "stalled"), 2),
         "predicted_liveness_store_load_16384": p16["liveness_store_load"],
         **{f"data_plane_bytes_per_rank_per_step_{n}": {
             k: round(v) for k, v in M.data_plane_bytes_per_rank_per_step(n, a).items()}

@@ -100,7 +100,8 @@ def section(r: dict[str, Any]) -> str:
             "old_commit_ms_64", "old_commit_ms_1024", "old_commit_growth_64_to_1024",
             "recovery_store_ops_1024", "recovery_store_keys_1024",
             "predicted_commit_ms_16384", "predicted_old_commit_ms_16384",
-            "predicted_recovery_s_16384", "predicted_recovery_s_16384_without_detection",
+            "predicted_recovery_s_16384", "predicted_recovery_s_16384_silent",
+            "predicted_recovery_s_16384_stalled", "predicted_recovery_s_16384_without_detection",
             "predicted_liveness_store_load_16384"]
     lines += ["", "### Headline figures", "", "| key | value |", "|---|---|"]
     lines += [f"| `{k}` | {_fmt(r[k])} |" for k in keys]
@@ -165,7 +166,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         vals = [p["recovery_parts"][part] for p in r["predictions"]]
         a.bar(labels, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    a.axhline(30, color="red", lw=0.8, label="30 s target")
+    a.axhline(15, color="red", lw=0.8, label="15 s target")
     a.set(xlabel="ranks", ylabel="seconds", title="Predicted node-loss recovery (model)")
     a.legend(fontsize=7)
     fig.tight_layout()

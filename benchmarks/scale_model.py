@@ -12,7 +12,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from launcher.peer_link import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S
 from replication.replica_protocol.commit_tree import FANOUT
+
+#: How a node is lost decides how it is seen (launcher/peer_link.py, launcher/liveness.py):
+#: ``crashed``: its agent died (killed, crashed, its node's processes gone) and its kernel
+#: closed the connections its watchers hold; ``silent``: the machine is off or cut off,
+#: so the connections end only when TCP keepalive gives up; ``stalled``: the agent is
+#: stopped or starved, its kernel answers keepalives, and only the heartbeat timeout
+#: judges it.
+DETECTION_KINDS = ("crashed", "silent", "stalled")
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,10 @@ class Assumptions:
     ranks_per_node: int = 8
     heartbeat_timeout_s: float = 15.0  # recovery.heartbeat_timeout_s default
     heartbeat_interval_s: float = 1.0  # recovery.heartbeat_interval_s default
+    #: a held connection to a silent machine fails after this (launcher/peer_link.py)
+    keepalive_s: float = KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S
+    #: after a connection ended, the heartbeat must also stay still this many intervals
+    link_confirm_intervals: float = 2.0
     state_bytes_per_rank: float = 8 * 2**30  # one rank's training state
     handover_copies: int = 2  # the newcomer's state + its source's (reseed, ADR 0018)
     side_bandwidth_Bps: float = 12.5e9  # per rank, gloo over TCP on a 100 Gb/s share
@@ -142,10 +155,23 @@ def tree_store_queue_s(requests_per_step: float, cal: Calibration) -> float:
 # --- recovery -----------------------------------------------------------------------
 
 
-def detection_s(a: Assumptions) -> float:
-    """A lost node is declared when its heartbeat has not grown for the timeout, seen
-    by a watcher that looks once per interval: up to timeout + interval."""
-    return a.heartbeat_timeout_s + a.heartbeat_interval_s
+def detection_s(a: Assumptions, kind: str = "crashed") -> float:
+    """From the loss to its declaration, seen by a watcher that looks once per interval
+    (hence the last ``+ interval`` of each):
+
+    - ``crashed``: the connection ends at once, then the heartbeat must stay still for
+      the confirmation;
+    - ``silent``: the connection ends when keepalive gives up, then the confirmation;
+    - ``stalled``: the heartbeat has not grown for the timeout.
+    """
+    confirm = a.link_confirm_intervals * a.heartbeat_interval_s
+    if kind == "crashed":
+        return confirm + a.heartbeat_interval_s
+    if kind == "silent":
+        return a.keepalive_s + confirm + a.heartbeat_interval_s
+    if kind == "stalled":
+        return a.heartbeat_timeout_s + a.heartbeat_interval_s
+    raise ValueError(f"detection kind must be one of {DETECTION_KINDS}, not {kind!r}")
 
 
 def handover_s(a: Assumptions) -> float:
@@ -167,8 +193,11 @@ def rendezvous_s(n: int, fits: dict[str, dict], cal: Calibration) -> float:
 
 
 def recovery_s(n: int, fits: dict[str, dict], cal: Calibration,
-               a: Assumptions) -> dict[str, float]:
-    parts = {"detection_s": detection_s(a), "rendezvous_s": rendezvous_s(n, fits, cal),
+               a: Assumptions, kind: str = "crashed") -> dict[str, float]:
+    """A node loss with a spare node, from the loss to the resumed step: a replacement
+    keeps the world's size, so the generation's communicator is made afresh for every
+    rank (``pg_init_s``; ADR 0047 says why no shrink or reconfigure shortens it)."""
+    parts = {"detection_s": detection_s(a, kind), "rendezvous_s": rendezvous_s(n, fits, cal),
              "handover_s": handover_s(a), "pg_init_s": pg_init_s(n, a)}
     parts["total_s"] = sum(parts.values())
     return parts

@@ -118,3 +118,22 @@ def test_data_plane_counts_by_hand():
     assert got["allreduce_gather_sum"] == 16383 * 1000.0
     assert got["replication"] == 100.0
     assert got["total_default"] == got["allreduce"] + 100.0
+
+
+def test_detection_follows_how_the_node_was_lost():
+    """The model's detection is the product's: closed connections for a crashed agent,
+    keepalive for a silent machine (launcher/peer_link.py's settings), the heartbeat
+    timeout for a stalled agent; an unknown kind is refused."""
+    from launcher import peer_link
+
+    model = M
+    a = model.Assumptions(heartbeat_timeout_s=15.0, heartbeat_interval_s=1.0)
+    keepalive = (peer_link.KEEPALIVE_IDLE_S
+                 + peer_link.KEEPALIVE_COUNT * peer_link.KEEPALIVE_INTERVAL_S)
+    assert model.detection_s(a, "crashed") == 3.0
+    assert model.detection_s(a, "silent") == keepalive + 3.0
+    assert model.detection_s(a, "stalled") == 16.0
+    assert model.detection_s(a, "crashed") < model.detection_s(a, "silent") \
+        < model.detection_s(a, "stalled")
+    with pytest.raises(ValueError, match="detection kind"):
+        model.detection_s(a, "vanished")
