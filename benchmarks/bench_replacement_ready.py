@@ -24,7 +24,9 @@ spares; the spare node takes ranks 2 and 3). For each failure:
 - ``script_prefix_s``: from a rank's assignment to a spare to that spare's
   ``Checkpointless(...)``: the script's own prefix (imports left, model construction),
   the most that running the prefix before the failure could save (ADR 0046);
-- ``bit_identical``: every rank's final digest equals the failure-free run's.
+- ``bit_identical``: every rank's whole final record (the weights and optimizer digest;
+  for the Lightning job also its step and the chain over its batches in order) equals
+  the failure-free run's.
 
 Targets (quick mode as well as full): a worker kill resumes within 1.0 s, a node loss
 within 5 s. ``meets_targets`` is true only when every failure of both jobs met its
@@ -70,47 +72,47 @@ def run(job: str, run_dir: Path, steps: int, fault: str = "") -> JobResult:
     return result
 
 
-def digests(result: JobResult) -> dict[int, str]:
-    return {r: f["digest"] for r, f in result.finals().items()}
-
-
 def figures(result: JobResult, replaced: list[int]) -> dict[str, Any]:
-    """The failure's timings, from the job's own events."""
+    """The failure's timings, from the job's own events (None where a replaced rank has
+    no such event)."""
     events = result.events()
     t_kill = next(float(e["ts"]) for e in events if e["event"] == Event.FAULT_INJECTED)
 
-    def last(name: str, match: Any) -> float | None:
-        """Seconds from the kill to the latest replaced rank's first ``name`` event
-        after it (None if a replaced rank has none)."""
-        first: dict[int, float] = {}
+    def first(name: str, match: Any = lambda e: True) -> dict[int, float]:
+        """Each replaced rank's first ``name`` event after the kill."""
+        out: dict[int, float] = {}
         for e in events:
             if (e["event"] == name and float(e["ts"]) >= t_kill and e.get("rank") in replaced
                     and match(e)):
-                first.setdefault(int(e["rank"]), float(e["ts"]))
-        return round(max(first.values()) - t_kill, 3) if set(first) == set(replaced) else None
+                out.setdefault(int(e["rank"]), float(e["ts"]))
+        return out
 
-    ready = last(Event.FAILURE_DETECTED,
-                 lambda e: (e.get("cause") or {}).get("kind") == "replacement")
-    resumed = last(Event.RESUMED, lambda e: True)
+    def latest(at: dict[int, float], since: dict[int, float] | None = None) -> float | None:
+        if set(at) != set(replaced) or (since is not None and set(since) != set(replaced)):
+            return None
+        return round(max(t - (since[r] if since else t_kill) for r, t in at.items()), 3)
+
+    ready_at = first(Event.FAILURE_DETECTED,
+                     lambda e: (e.get("cause") or {}).get("kind") == "replacement")
+    out: dict[str, Any] = {
+        "replacement_ready_s": latest(ready_at),
+        "resume_s": latest(first(Event.RESUMED)),
+        # The script's own prefix on the recovery path: from a rank's assignment to a
+        # spare to that spare's Checkpointless(...), the most that running the prefix
+        # before the failure could save (ADR 0046).
+        "script_prefix_s": latest(ready_at, since=first(Event.REPLACEMENT_ASSIGNED)),
+    }
     lost = [float(e["ts"]) for e in events if e["event"] == Event.NODE_LOST]
-    out: dict[str, Any] = {"replacement_ready_s": ready, "resume_s": resumed}
-    # The script's own prefix on the recovery path: from a rank's assignment to a spare
-    # to that spare's Checkpointless(...), the most that running the prefix before the
-    # failure could save (ADR 0046).
-    assigned = {int(e["rank"]): float(e["ts"]) for e in events
-                if e["event"] == Event.REPLACEMENT_ASSIGNED and float(e["ts"]) >= t_kill
-                and e.get("rank") in replaced}
-    ready_at = {int(e["rank"]): float(e["ts"]) for e in events
-                if e["event"] == Event.FAILURE_DETECTED and float(e["ts"]) >= t_kill
-                and e.get("rank") in replaced
-                and (e.get("cause") or {}).get("kind") == "replacement"}
-    prefix = [ready_at[r] - assigned[r] for r in replaced if r in assigned and r in ready_at]
-    out["script_prefix_s"] = round(max(prefix), 3) if len(prefix) == len(replaced) else None
     if lost:
         out["detect_s"] = round(min(lost) - t_kill, 3)
     zygotes = [e for e in events if e["event"] == Event.ZYGOTE_READY]
     out["preloaded_modules"] = max((len(e.get("preloaded", [])) for e in zygotes), default=0)
     return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    """The median, or None if a run is missing the figure (never counted as 0)."""
+    return None if None in values else median(values)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -129,7 +131,7 @@ def main() -> None:
     try:
         for job in args.jobs.split(","):
             progress(f"{job}: failure-free reference")
-            ref = digests(run(job, tmp / f"{job}_ref", steps))
+            ref = run(job, tmp / f"{job}_ref", steps).finals()
             per_job: dict[str, Any] = {}
             for case, fault in FAULTS.items():
                 replaced = [1] if case == "worker_kill" else [2, 3]
@@ -138,19 +140,14 @@ def main() -> None:
                     progress(f"{job}: {case} ({fault}), {i + 1}/{repeats}")
                     res = run(job, tmp / f"{job}_{case}{i}", steps, fault)
                     fig = figures(res, replaced)
-                    fig["bit_identical"] = digests(res) == ref
+                    fig["bit_identical"] = res.finals() == ref
                     runs.append(fig)
-                resumes = [r["resume_s"] for r in runs]
                 summary: dict[str, Any] = {
-                    "resume_s": median(resumes) if None not in resumes else None,
-                    "script_prefix_s": median([r["script_prefix_s"] or 0.0 for r in runs]),
-                    "replacement_ready_s": median([r["replacement_ready_s"] or 0.0
-                                                   for r in runs]),
-                    "runs": runs,
-                    "bit_identical": all(r["bit_identical"] for r in runs),
-                }
-                if case == "node_loss":
-                    summary["detect_s"] = median([r.get("detect_s", 0.0) for r in runs])
+                    key: _median([r.get(key) for r in runs])
+                    for key in ("resume_s", "replacement_ready_s", "script_prefix_s",
+                                *(("detect_s",) if case == "node_loss" else ()))}
+                summary["runs"] = runs
+                summary["bit_identical"] = all(r["bit_identical"] for r in runs)
                 summary["meets_target"] = (summary["resume_s"] is not None
                                            and summary["resume_s"] <= TARGET_S[case]
                                            and summary["bit_identical"])

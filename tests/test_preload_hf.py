@@ -40,7 +40,7 @@ def test_a_lost_node_is_taken_over_by_spares_that_imported_transformers(tmp_path
     targets are ``benchmarks/bench_replacement_ready.py``'s."""
     ref = ready.run("hf", tmp_path / "ref", STEPS)
     loss = ready.run("hf", tmp_path / "loss", STEPS, ready.FAULTS["node_loss"])
-    assert ready.digests(loss) == ready.digests(ref) and len(ready.digests(ref)) == 4
+    assert loss.finals() == ref.finals() and len(ref.finals()) == 4
     fig = ready.figures(loss, [2, 3])
     assert fig["replacement_ready_s"] is not None and "detect_s" in fig, (fig, loss.output())
     spare_node = [e for e in loss.events("zygote_ready") if e.get("node") == 2]
