@@ -14,6 +14,7 @@ import datetime
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -78,10 +79,29 @@ def install_init_hook(environ: dict[str, str] | None = None) -> None:
         join_default_group(want_rank, want_world, inner_backends_for(backend),
                            timeout.total_seconds() if timeout else None, env, **kwargs)
 
-    dist.init_process_group = init_process_group
-    dist.distributed_c10d.init_process_group = init_process_group
+    _rebind(original, init_process_group)
     _install_new_group_hook()
     _install_module_sync_hook()
+
+
+def _rebind(original: Callable[..., Any], hook: Callable[..., Any]) -> None:
+    """Put ``hook`` in place of ``original`` wherever torch's own modules hold it.
+
+    ``torch.distributed.device_mesh`` imported ``init_process_group`` and ``new_group``
+    by name: ``init_device_mesh`` called before any ``init_process_group`` (as the
+    tensor-parallel tutorials write it) creates the default group through its own
+    binding, which a hook on ``torch.distributed`` alone never sees; the job then
+    stopped at ``Checkpointless(...)`` with "the default process group was not made
+    by checkpointless", under ``checkpointless run``. Modules of torch imported later
+    than this call are not rebound; every one that binds these names is imported by
+    ``torch.distributed`` itself."""
+    name = original.__name__
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "torch.distributed"
+                                  or module_name.startswith("torch.distributed.")):
+            continue
+        if getattr(module, name, None) is original:
+            setattr(module, name, hook)
 
 
 def _install_new_group_hook() -> None:
@@ -106,8 +126,7 @@ def _install_new_group_hook() -> None:
             bound.arguments.pop("pg_options", None)
         return original(*bound.args, **bound.kwargs)
 
-    dist.new_group = new_group
-    dist.distributed_c10d.new_group = new_group
+    _rebind(original, new_group)
 
 
 def _install_module_sync_hook() -> None:

@@ -526,8 +526,17 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> Any:
         opts = opts if opts is not None else ScatterOptions()
-        return self._run(outputs, lambda b: b.scatter(outputs, inputs, opts),
-                         self._no_local("scatter"))
+
+        def local() -> Any:
+            # DTensor's ``distribute_tensor`` scatters the root's shards (tensor
+            # parallelism's ``parallelize_module``, ``src_data_rank=0``); the recovered
+            # state overwrites them. The root keeps its own chunk; elsewhere the output
+            # keeps what it held.
+            if inputs:
+                for out, chunks in zip(outputs, inputs):
+                    out.copy_(chunks[self._rank])
+            return outputs
+        return self._run(outputs, lambda b: b.scatter(outputs, inputs, opts), local)
 
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else BarrierOptions()
@@ -550,7 +559,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
             raise RuntimeError(
                 f"checkpointless: {what} before this process joined the job: a replacement "
                 "runs its script's set-up alone, and only collectives whose result the "
-                "recovered state overwrites (broadcast, all-reduce, all-gather, barrier) "
+                "recovered state overwrites (broadcast, all-reduce, all-gather, scatter, "
+                "reduce-scatter, barrier) "
                 "can complete locally. Move it after Checkpointless(...) / cl.start().")
         return refuse
 
