@@ -99,19 +99,38 @@ class Llama(nn.Module):
     def __init__(self, vocab: int, dim: int = 32, layers: int = 2, heads: int = 4,
                  seq_len: int = 16) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
+        self.tok_embeddings: nn.Module | None = nn.Embedding(vocab, dim)
+        # keyed by block index: a pipeline stage keeps its blocks' original names
+        self.layers = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
+        self.norm: nn.Module | None = RMSNorm(dim)
+        self.output: nn.Module | None = nn.Linear(dim, vocab, bias=False)
         cos, sin = rotary_tables(dim // heads, seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        """Tokens to logits; on a pipeline stage, whatever its parts make of its input
+        (tokens on the first stage, hidden states after it)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def keep_stage(self, stage: int, stages: int) -> None:
+        """Drop what pipeline stage ``stage`` of ``stages`` does not run: the blocks
+        are split into contiguous runs, the embeddings stay on the first stage and the
+        final norm and output on the last (as manual pipeline splits do it)."""
+        per, extra = divmod(len(self.layers), stages)
+        first = stage * per + min(stage, extra)
+        mine = range(first, first + per + (1 if stage < extra else 0))
+        for key in [k for k in self.layers if int(k) not in mine]:
+            del self.layers[key]
+        if stage > 0:
+            self.tok_embeddings = None
+        if stage < stages - 1:
+            self.norm = self.output = None
 
 
 def init_weights(model: Llama, seed: int) -> None:

@@ -1,6 +1,6 @@
 """Tensor parallelism (DTensor's ``parallelize_module``) alone and with FSDP2, under
 ``checkpointless run``: the job written as PyTorch's tensor-parallel tutorial writes it
-(``examples/train_llama_2d.py``: a small Llama, ``init_device_mesh`` with no
+(``examples/train_llama.py``: a small Llama, ``init_device_mesh`` with no
 ``init_process_group`` of its own, column-/row-wise plans per block, sequence
 parallelism on the norms, ``fully_shard`` over ``dp``), on real processes over gloo.
 
@@ -33,7 +33,7 @@ from tests.recovery_harness import (
 
 pytestmark = pytest.mark.timeout(400)
 
-SCRIPT = "examples/train_llama_2d.py"
+SCRIPT = "examples/train_llama.py"
 STEPS = 8
 SETTINGS = ("recovery.heartbeat_timeout_s=3", "recovery.heartbeat_interval_s=0.5",
             "recovery.collective_timeout_s=30")

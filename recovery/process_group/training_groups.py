@@ -27,7 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recovery.process_group import controller, ddp_layout, init_hook, owned_group
+from recovery.process_group import (
+    controller,
+    ddp_layout,
+    init_hook,
+    owned_group,
+    pipeline_schedules,
+)
 from replication.side_channel import work_waiter
 
 _graveyard: list[tuple[float, Any]] = []
@@ -78,12 +84,13 @@ def fail_training_groups(reason: str, wait_s: float = 5.0) -> None:
 
 
 def reset_parallel_modules(fresh_process: bool,
-                           ddps_rebuilt: int | None = None) -> tuple[int, int]:
-    """Bring the user's DDP and FSDP2 modules to where a replacement's are after a
-    recovery; returns how many DDP and root FSDP2 modules were reset. One pass over
-    the collector's objects finds both (about 30 ms in a process of a few million
-    objects: the runtime holds no list of them, since Lightning and users build them
-    wherever they like).
+                           ddps_rebuilt: int | None = None) -> tuple[int, int, int]:
+    """Bring the user's DDP and FSDP2 modules and pipeline schedules to where a
+    replacement's are after a recovery; returns how many DDP and root FSDP2 modules and
+    schedules were reset (:mod:`recovery.process_group.pipeline_schedules`). One pass
+    over the collector's objects finds them all (about 30 ms in a process of a few
+    million objects: the runtime holds no list of them, since Lightning and users build
+    them wherever they like).
 
     ``fresh_process``: this process has not trained a step yet (a replacement), so its
     modules already are in the state every other rank's are brought to, and
@@ -97,19 +104,28 @@ def reset_parallel_modules(fresh_process: bool,
     layout, as torch's ``__setstate__`` does.
     """
     if fresh_process:
-        return 0, 0
+        return 0, 0, 0
     from torch.nn.parallel import DistributedDataParallel
 
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         FSDPModule = ()  # isinstance(x, ()) is always False
-    ddps, fsdps = [], []
+    schedule = pipeline_schedules.schedule_type() or ()
+    ddps, fsdps, schedules = [], [], 0
     with warnings.catch_warnings():
         # isinstance() on torch's deprecated ``dist.reduce_op`` object warns
         # (a FutureWarning per recovery, on every rank's console).
         warnings.simplefilter("ignore", FutureWarning)
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+        objects = [obj for obj in gc.get_objects()
+                   if isinstance(obj, (torch.nn.Module, schedule))]
+    modules = []
+    for obj in objects:
+        if isinstance(obj, schedule):
+            schedules += pipeline_schedules.reset_schedule(obj)
+        else:
+            modules.append(obj)
+    del objects
     for obj in modules:
         if isinstance(obj, DistributedDataParallel):
             if owned_group.is_owned(getattr(obj, "process_group", None)):
@@ -121,7 +137,7 @@ def reset_parallel_modules(fresh_process: bool,
             ddp_layout.rebuild_reducer(ddp, None)
     for root in fsdps:
         _reset_fsdp_root(root)
-    return len(ddps) if ddps_rebuilt is None else ddps_rebuilt, len(fsdps)
+    return len(ddps) if ddps_rebuilt is None else ddps_rebuilt, len(fsdps), schedules
 
 
 def _reset_fsdp_root(root: Any) -> None:

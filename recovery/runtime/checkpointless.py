@@ -509,7 +509,8 @@ class Checkpointless:
         self._replay_warned = False
         self._dp_checked.clear()
         t_reset = time.perf_counter()
-        ddp_reset, fsdp_reset = training_groups.reset_parallel_modules(  # new objects: fresh
+        # a newcomer's objects are new: already fresh
+        ddp_reset, fsdp_reset, pp_reset = training_groups.reset_parallel_modules(
             newcomer or not declare, ddps_rebuilt=self._ddp_layouts.take_restored())
         self._transfer_parts["reset_modules_s"] = round(time.perf_counter() - t_reset, 4)
         t_done = time.time()
@@ -526,6 +527,7 @@ class Checkpointless:
                 "transfer_parts": self._transfer_parts,
                 "bytes_already_held": self._bytes_already_held,
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
+                "pipeline_schedules_reset": pp_reset,
                 **controller.controller().counters(),
                 "recovered_at": t_done}
         info["weighted_modules"] = world_resize.after_restore(self, plan.target_step)

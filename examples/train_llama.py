@@ -1,10 +1,14 @@
-"""FSDP2 + tensor parallelism on a small Llama, as PyTorch's tensor-parallel tutorial
-writes it, made recoverable.
+"""FSDP2, tensor and pipeline parallelism on a small Llama, as PyTorch's tutorials write
+them, made recoverable.
 
-    checkpointless run --nproc-per-node 4 examples/train_llama_2d.py --dp 2 --tp 2
+    checkpointless run --nproc-per-node 4 examples/train_llama.py --dp 2 --tp 2
+    checkpointless run --nproc-per-node 2 examples/train_llama.py --pp 2 --dp 1 --tp 1
 
-The script builds its ``(dp, tp)`` mesh with ``init_device_mesh`` alone (no
-``init_process_group`` of its own), splits each block with ``parallelize_module``
+The script builds its ``(dp, tp)`` mesh (``(pp, dp, tp)`` with ``--pp``) with
+``init_device_mesh`` alone (no ``init_process_group`` of its own), keeps its pipeline
+stage's blocks (``--pp``: the first stage has the embeddings, the last the final norm
+and output; a ``PipelineStage`` per rank, run by ``ScheduleGPipe`` or ``Schedule1F1B``
+over ``--microbatches``), splits each block with ``parallelize_module``
 (column-wise ``wq``/``wk``/``wv``/``w1``/``w3``, row-wise ``wo``/``w2``, with sequence
 parallelism on the norms unless ``--no-sp``), then shards each block over ``dp`` with
 ``fully_shard``. The lines marked ``# checkpointless`` are the whole difference.
@@ -15,7 +19,8 @@ replicated to another node. ``--dp 1`` is tensor parallelism alone, ``--tp 1`` F
 alone. On GPUs build the mesh on ``"cuda"`` (written, untested here).
 
 ``final_rank<r>.json`` (in ``--out``, else the run directory) holds the step, a digest
-of the rank's shards and optimizer state, the data order and every step's loss.
+of the rank's shards and optimizer state, the data order and every step's loss (on a
+pipeline's last stage only: the others compute none).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import parallelize_module
 
 from recovery import Checkpointless  # checkpointless
@@ -56,6 +62,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dp", type=int, default=2, help="data-parallel (FSDP) degree")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one per rank)")
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dim", type=int, default=32)
@@ -68,39 +77,62 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    if args.pp > 1:
+        mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp),
+                                mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     rank = mesh.get_rank()
     dp_rank = mesh["dp"].get_local_rank()
+    stage_index = mesh["pp"].get_local_rank() if args.pp > 1 else 0
 
+    # every stage of a pipeline reads its dp rank's batch: tokens in, targets at the end
     data = CharData(make_corpus(), args.seq_len, args.batch, dp_rank, args.dp, seed=args.seed)
     model = Llama(data.vocab_size, args.dim, args.layers, args.heads, args.seq_len)
     init_weights(model, args.seed)  # the same full weights everywhere, then split
+    if args.pp > 1:
+        model.keep_stage(stage_index, args.pp)
     root_plan, block_plan = tensor_parallel_plan(sequence_parallel=not args.no_sp)
     if args.tp > 1:
-        for block in model.layers:
+        for block in model.layers.values():
             parallelize_module(block, mesh["tp"], block_plan)
         parallelize_module(model, mesh["tp"], root_plan)
     if args.dp > 1:
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(5, args.steps))
     losses = Losses()
+    schedule = None
+    if args.pp > 1:
+        stage = PipelineStage(model, stage_index, args.pp, torch.device("cpu"),
+                              group=mesh["pp"].get_group())
+        kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+        schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    first, last = stage_index == 0, stage_index == args.pp - 1
 
     cl = Checkpointless(model=model, optimizer=opt, scheduler=sched, loader=data,  # checkpointless
                         extra={"losses": losses})
 
     def train_step(step: int) -> None:
         x, y = data.next_batch()
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        if schedule is None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        else:  # the schedule runs forward and backward over the micro-batches
+            micro: list[torch.Tensor] = []
+            args_in = (x,) if first else ()
+            schedule.step(*args_in, target=y if last else None, losses=micro if last else None)
+            loss = torch.stack(micro).mean() if last else None
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        losses.values.append(loss.item())
-        if rank == 0 and (step % 10 == 0 or step == args.steps):
-            print(f"[rank 0] step {step:4d} loss {loss.item():.4f}", flush=True)
+        if loss is not None:
+            losses.values.append(loss.item())
+            if dp_rank == 0 and mesh["tp"].get_local_rank() == 0 and (
+                    step % 10 == 0 or step == args.steps):
+                print(f"[rank {rank}] step {step:4d} loss {loss.item():.4f}", flush=True)
 
     cl.run(train_step, args.steps)  # checkpointless
 
