@@ -13,7 +13,8 @@ parallelism on the norms, ``fully_shard`` over ``dp``), on real processes over g
   loss).
 - TP alone (``dp 1``, no sequence parallelism), one rank per node, killed mid-backward.
 - No spare and a node lost: shrinking a tensor-parallel layout is not built, so the job
-  stops with one line that names why and exits 75.
+  stops with one line that names why and exits 75; run again, it resumes from its
+  durable checkpoint and ends bit-identical.
 """
 
 from __future__ import annotations
@@ -133,13 +134,22 @@ def test_tensor_parallel_alone_survives_a_kill(tmp_path_factory: pytest.TempPath
     _same_losses(reference, job)
 
 
-def test_a_node_lost_with_no_spare_stops_the_job_with_one_line(tmp_path: Any) -> None:
+def test_a_node_lost_with_no_spare_stops_with_one_line_and_a_new_run_resumes_exactly(
+        tmp_path: Any, two_d_reference: JobResult) -> None:
     """No spare node: a shrink would have to re-lay tensor-parallel shards onto fewer
     ranks, which is not built. The surviving agent ends the job (exit 75, "a new run can
     go on from the durable checkpoint") with one line naming the parameter whose layout
-    cannot shrink, as soon as the lost node can no longer come back."""
+    cannot shrink, as soon as the lost node can no longer come back.
+
+    The same command run again resumes from the durable tier's newest complete
+    checkpoint (step 2: step 4's saves were cut short by the loss; DCP's format, every
+    rank's own shards) and ends bit-identical to the failure-free run, every logged loss
+    included (the loss log is part of the state)."""
+    durable = (f"persistence.path={tmp_path / 'ckpt'}", "persistence.every_n_steps=2",
+               "replication.every_n_steps=1")
     job = run_job(tmp_path / "run", nnodes=2, nproc=2, script=SCRIPT, script_args=TWO_D,
-                  overrides=(*SETTINGS, "recovery.fault=2:5:optimizer:node"), timeout_s=120)
+                  overrides=(*SETTINGS, *durable, "recovery.fault=2:5:optimizer:node"),
+                  timeout_s=120)
     assert job.returncodes[1] == -9, job.returncodes
     assert job.returncodes[0] == 75, job.output()
     failed = [line for line in job.output().splitlines() if "job failed" in line]
@@ -152,3 +162,13 @@ def test_a_node_lost_with_no_spare_stops_the_job_with_one_line(tmp_path: Any) ->
     # collective timeout; 5 s of slack for a loaded host.
     patience_s = TAKEOVER_PATIENCE * 3.0
     assert failed_ev[0]["ts"] - lost[0]["ts"] < patience_s + 5.0, (lost, failed_ev)
+
+    again = run_job(tmp_path / "again", nnodes=2, nproc=2, script=SCRIPT, script_args=TWO_D,
+                    overrides=(*SETTINGS, *durable), timeout_s=240)
+    assert_succeeded(again)
+    resumed = [line for line in again.output().splitlines() if "resuming" in line]
+    assert resumed and "restored step" in resumed[0], again.output()
+    first_step = min(e["step"] for e in again.events("step"))
+    assert first_step > 1, f"the new run trained from step {first_step}"
+    assert_same_final(two_d_reference, again)
+    _same_losses(two_d_reference, again)
