@@ -6,8 +6,10 @@
 
 ``--wrap`` says how gradients are averaged, the same way in both modes: ``manual`` (one
 flat all-reduce after the backward: ``cl.all_reduce_gradients`` under the runtime),
-``ddp`` (the user's ``DistributedDataParallel``) or ``fsdp2`` (``fully_shard`` on every
-linear layer and on the root).
+``ddp`` (the user's ``DistributedDataParallel``), ``fsdp2`` (``fully_shard`` on every
+linear layer and on the root) or ``tp`` (no data parallelism: DTensor's
+``parallelize_module`` splits each pair of linear layers column- then row-wise over the
+two ranks, which read the same batch).
 
 Both modes append ``{"rank", "step", "ts"}`` lines to ``<out>/progress.jsonl`` and
 write ``final_rank<r>.json`` (a digest of model and optimizer state) at the end, so
@@ -62,7 +64,26 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
+    if how == "tp":  # tensor parallelism: linear pairs split column- then row-wise
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        linears = [i for i, m in enumerate(model) if isinstance(m, torch.nn.Linear)]
+        plan = {str(i): ColwiseParallel() if k % 2 == 0 else RowwiseParallel()
+                for k, i in enumerate(linears)}
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(model, mesh, plan)
     return model
+
+
+def data_rank(rank: int, how: str) -> int:
+    """Whose batch this rank trains on: under tensor parallelism every rank reads the
+    same one (the ranks split the model, not the data)."""
+    return 0 if how == "tp" else rank
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +140,8 @@ def run_checkpointless(args, out: Path) -> None:
         lambda: None)
 
     def step_fn(step: int) -> None:
-        train_step(model, opt, batch_for(step, rank, args.batch, args.width), reduce)
+        x = batch_for(step, data_rank(rank, args.wrap), args.batch, args.width)
+        train_step(model, opt, x, reduce)
         prog.emit(step=step)
 
     cl.run(step_fn, args.steps)
@@ -167,7 +189,8 @@ def run_dcp(args, out: Path) -> None:
         if step == args.die_at and rank == 1 and not done:
             prog.emit(event="kill", step=step)
             os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole torchrun job
-        train_step(model, opt, batch_for(step, rank, args.batch, args.width), reduce)
+        x = batch_for(step, data_rank(rank, args.wrap), args.batch, args.width)
+        train_step(model, opt, x, reduce)
         prog.emit(step=step)
         if step % args.ckpt_every == 0:
             msd, osd = get_state_dict(model, opt)
@@ -188,7 +211,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--die-at", type=int, default=-1)
-    ap.add_argument("--wrap", choices=["manual", "ddp", "fsdp2"], default="manual")
+    ap.add_argument("--wrap", choices=["manual", "ddp", "fsdp2", "tp"], default="manual")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

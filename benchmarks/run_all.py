@@ -86,11 +86,14 @@ BENCHES = {
                    "bit_identical": ("==", True),
                    "recovery_over_restart_ddp": ("<=", 0.10),
                    "recovery_over_restart_fsdp2": ("<=", 0.10),
+                   "recovery_over_restart_tp": ("<=", 0.20),
                    "step_time_after_recovery_over_before": ("<=", 1.05)},
         "note": "Three ways of averaging gradients, each against torchrun + DCP with the "
                 "same model and the same way: `cl.all_reduce_gradients` (the "
                 "top-level figures), the user's `DistributedDataParallel` (`ddp`) and "
-                "`fully_shard` (`fsdp2`). `bit_identical` covers all three. "
+                "`fully_shard` (`fsdp2`), and tensor parallelism alone (`tp`: "
+                "`parallelize_module` over the two ranks, target 0.20). `bit_identical` "
+                "covers all four. "
                 "`ddp_step_over_manual_allreduce_step` compares failure-free median step "
                 "times (DDP overlaps its all-reduce with the backward; on 2 cores that "
                 "overlap competes with compute). `step_time_after_recovery_over_before`: "
