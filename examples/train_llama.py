@@ -32,7 +32,12 @@ import os
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.tensor.parallel import parallelize_module
 
 from recovery import Checkpointless  # checkpointless
@@ -63,7 +68,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2, help="data-parallel (FSDP) degree")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (one per rank)")
-    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"],
+                    default="gpipe", help="interleaved: two stages per rank (Interleaved1F1B)")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
     ap.add_argument("--steps", type=int, default=40)
@@ -88,29 +94,46 @@ def main() -> None:
 
     # every stage of a pipeline reads its dp rank's batch: tokens in, targets at the end
     data = CharData(make_corpus(), args.seq_len, args.batch, dp_rank, args.dp, seed=args.seed)
-    model = Llama(data.vocab_size, args.dim, args.layers, args.heads, args.seq_len)
-    init_weights(model, args.seed)  # the same full weights everywhere, then split
-    if args.pp > 1:
-        model.keep_stage(stage_index, args.pp)
+    # The stages this rank runs: one, or two for the interleaved schedule (stage r and
+    # r + pp, of 2 * pp), each a Llama cut down to its part of the full model.
+    per_rank = 2 if args.schedule == "interleaved" and args.pp > 1 else 1
+    n_stages = args.pp * per_rank
+    stage_ids = [stage_index + k * args.pp for k in range(per_rank)] if args.pp > 1 else [0]
+    parts = []
+    for sid in stage_ids:
+        part = Llama(data.vocab_size, args.dim, args.layers, args.heads, args.seq_len)
+        init_weights(part, args.seed)  # the same full weights everywhere, then split
+        if args.pp > 1:
+            part.keep_stage(sid, n_stages)
+        parts.append(part)
     root_plan, block_plan = tensor_parallel_plan(sequence_parallel=not args.no_sp)
-    if args.tp > 1:
-        for block in model.layers.values():
-            parallelize_module(block, mesh["tp"], block_plan)
-        parallelize_module(model, mesh["tp"], root_plan)
-    if args.dp > 1:
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+    for part in parts:
+        if args.tp > 1:
+            for block in part.layers.values():
+                parallelize_module(block, mesh["tp"], block_plan)
+            parallelize_module(part, mesh["tp"], {k: v for k, v in root_plan.items()
+                                                  if getattr(part, k) is not None})
+        if args.dp > 1:
+            for block in part.layers.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
+    model = parts[0] if len(parts) == 1 else torch.nn.ModuleDict(
+        {f"stage{sid}": part for sid, part in zip(stage_ids, parts)})
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(5, args.steps))
     losses = Losses()
     schedule = None
     if args.pp > 1:
-        stage = PipelineStage(model, stage_index, args.pp, torch.device("cpu"),
-                              group=mesh["pp"].get_group())
-        kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
-        schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
-    first, last = stage_index == 0, stage_index == args.pp - 1
+        stages = [PipelineStage(part, sid, n_stages, torch.device("cpu"),
+                                group=mesh["pp"].get_group())
+                  for sid, part in zip(stage_ids, parts)]
+        if args.schedule == "interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.microbatches,
+                                               loss_fn=loss_fn)
+        else:
+            kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+            schedule = kind(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
+    first, last = 0 in stage_ids, n_stages - 1 in stage_ids
 
     cl = Checkpointless(model=model, optimizer=opt, scheduler=sched, loader=data,  # checkpointless
                         extra={"losses": losses})

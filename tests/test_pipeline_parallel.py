@@ -10,6 +10,9 @@ output on stage 1), one ``PipelineStage`` per rank, run by ``ScheduleGPipe`` or
 - Two stages x FSDP2 over 2 data-parallel ranks on 2 nodes x 2 workers: node 1 (both
   ranks of stage 1) lost mid-backward, a spare node takes it over.
 
+- ``ScheduleInterleaved1F1B`` (several stages per rank): its recovery is not built, and
+  the job stops with one line naming the schedule.
+
 Each run ends bit-identical to its failure-free one: every rank's parameters and AdamW
 state, data order, and the last stage's loss at every step. Each survivor's schedule was
 marked unprepared (``pipeline_schedules_reset``): a replacement's new schedule exchanges
@@ -100,3 +103,21 @@ def test_a_stage_lost_with_its_node(tmp_path: Any, references: dict[str, JobResu
     assert job.returncodes[1] == -9, f"node 1's agent should be SIGKILLed: {job.returncodes}"
     assert_succeeded(job, except_nodes=(1,))
     _check(references["gpipe_dp"], job, {2, 3})
+
+
+def test_a_schedule_with_several_stages_per_rank_stops_with_one_line(tmp_path: Any) -> None:
+    """``ScheduleInterleaved1F1B`` (two stages per rank, four in all) trains, but its
+    recovery is not built: its replayed step failed inside torch and was reported as a
+    bug in the step. At the recovery the survivors name the schedule and what to use
+    instead, and every agent ends with exit 75 (the durable checkpoint can go on)."""
+    job = run_job(tmp_path / "run", nnodes=2, nproc=1, spares=1, script=SCRIPT,
+                  script_args=("--pp", "2", "--dp", "1", "--tp", "1", "--layers", "4",
+                               "--schedule", "interleaved", "--steps", str(STEPS)),
+                  overrides=(*SETTINGS, "recovery.fault=1:4:backward:sigkill"),
+                  timeout_s=120)
+    assert set(job.returncodes.values()) == {75}, job.output()
+    assert job.events("fault_injected"), "the job ended before the fault"
+    failed = [line for line in job.output().splitlines() if "job failed" in line]
+    assert failed and all("ScheduleInterleaved1F1B" in line and "Schedule1F1B" in line
+                          for line in failed), job.output()
+    assert "Recv twice" not in job.output()

@@ -31,7 +31,26 @@ def schedule_type() -> type | None:
 
 
 def reset_schedule(schedule: Any) -> bool:
-    """Mark ``schedule``'s stages unprepared; False if it keeps no flag known here."""
+    """Mark ``schedule``'s stages unprepared; False if it keeps no flag known here.
+
+    A schedule with several stages per rank (``PipelineScheduleMulti``: interleaved
+    1F1B, looped BFS, the zero-bubble ones) raises
+    :class:`~recovery.common.errors.RecoveryImpossible`, which stops the job with one
+    line: tried with ``ScheduleInterleaved1F1B``, the replayed step failed inside torch
+    ("Recv twice for stage_idx=3 mb_index=1 without executing forward"), so it keeps
+    per-step state that these flags do not cover, and it was reported as a bug in the
+    user's step."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.pipelining.schedules")
+    multi = getattr(module, "PipelineScheduleMulti", None)
+    if multi is not None and isinstance(schedule, multi):
+        from recovery.common.errors import RecoveryImpossible
+
+        raise RecoveryImpossible(
+            f"a pipeline schedule with several stages per rank ({type(schedule).__name__}) "
+            "cannot be recovered in-process yet; use ScheduleGPipe or Schedule1F1B (one "
+            "stage per rank), or run again from the durable checkpoint")
     found = False
     for flag in _PREPARED_FLAGS:
         if hasattr(schedule, flag):
