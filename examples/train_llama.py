@@ -8,7 +8,9 @@ The script builds its ``(dp, tp)`` mesh (``(pp, dp, tp)`` with ``--pp``) with
 ``init_device_mesh`` alone (no ``init_process_group`` of its own), keeps its pipeline
 stage's blocks (``--pp``: the first stage has the embeddings, the last the final norm
 and output; a ``PipelineStage`` per rank, run by ``ScheduleGPipe`` or ``Schedule1F1B``
-over ``--microbatches``), splits each block with ``parallelize_module``
+over ``--microbatches``; ``--schedule interleaved`` runs two stages per rank with
+``ScheduleInterleaved1F1B``, which trains but whose recovery is not built: a failure
+stops the job with one line), splits each block with ``parallelize_module``
 (column-wise ``wq``/``wk``/``wv``/``w1``/``w3``, row-wise ``wo``/``w2``, with sequence
 parallelism on the norms unless ``--no-sp``), then shards each block over ``dp`` with
 ``fully_shard``. The lines marked ``# checkpointless`` are the whole difference.
