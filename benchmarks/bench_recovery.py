@@ -123,7 +123,8 @@ def step_intervals(out: Path, rank: int, t_kill: float, n: int) -> tuple[list[fl
 def measure_wrap(tmp: Path, wrap: str, worker_args: list[str], kill_step: int,
                  cold: bool = False) -> dict:
     """Reference, warm-spare kill (and a cold one), and torchrun + DCP, for one way of
-    parallelising the model (``manual``, ``ddp``, ``fsdp2`` or ``tp``)."""
+    parallelising the model (``manual``, ``ddp``, ``fsdp2`` or ``tp``: the latter in
+    ``bench_recovery_model_parallel``)."""
     args = [*worker_args, "--wrap", wrap]
     fault = f"1:{kill_step}:backward:sigkill"
     progress(f"[{wrap}] reference run")
@@ -204,7 +205,6 @@ def main() -> None:
         manual = measure_wrap(tmp, "manual", worker_args, kill_step, cold=True)
         ddp = measure_wrap(tmp, "ddp", worker_args, kill_step)
         fsdp2 = measure_wrap(tmp, "fsdp2", worker_args, kill_step)
-        tp = measure_wrap(tmp, "tp", worker_args, kill_step)
         steady = measure_steady_after_recovery(tmp, steady_args, n_steady + 6, n_steady)
         result = {
             "quick": q,
@@ -214,11 +214,9 @@ def main() -> None:
             **{k: v for k, v in manual.items() if k != "reference_step_s"},
             "recovery_over_restart_ddp": ddp["recovery_over_restart"],
             "recovery_over_restart_fsdp2": fsdp2["recovery_over_restart"],
-            "recovery_over_restart_tp": tp["recovery_over_restart"],
             "ddp": ddp,
             "fsdp2": fsdp2,
-            "tp": tp,
-            "bit_identical": all(f["bit_identical"] for f in (manual, ddp, fsdp2, tp)),
+            "bit_identical": all(f["bit_identical"] for f in (manual, ddp, fsdp2)),
             "ddp_step_over_manual_allreduce_step":
                 ddp["reference_step_s"] / manual["reference_step_s"],
             **steady,

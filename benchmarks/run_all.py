@@ -80,20 +80,26 @@ BENCHES = {
                 "(`bit_identical`). Not captured: a shared filesystem (imports come "
                 "from the page cache), GPUs, real network latency.",
     },
+    "bench_recovery_model_parallel": {
+        "title": "In-process recovery of a tensor-parallel job vs torchrun full restart",
+        "accept": {"recovery_over_restart_tp": ("<=", 0.20), "bit_identical": ("==", True)},
+        "note": "bench_recovery's measurement on its MLP split by `parallelize_module` "
+                "over the two ranks (column- then row-wise per pair of linear layers), "
+                "against torchrun + DCP of the same job, in one run; targets 0.15 "
+                "(quick) and 0.20 (full). Not captured: pipeline and 2-D layouts, a "
+                "replacement on another host's network, GPUs.",
+    },
     "bench_recovery": {
         "title": "In-process recovery vs torchrun full restart",
         "accept": {"recovery_over_restart": ("<=", 0.10), "steps_lost": ("==", 0),
                    "bit_identical": ("==", True),
                    "recovery_over_restart_ddp": ("<=", 0.10),
                    "recovery_over_restart_fsdp2": ("<=", 0.10),
-                   "recovery_over_restart_tp": ("<=", 0.20),
                    "step_time_after_recovery_over_before": ("<=", 1.05)},
         "note": "Three ways of averaging gradients, each against torchrun + DCP with the "
                 "same model and the same way: `cl.all_reduce_gradients` (the "
                 "top-level figures), the user's `DistributedDataParallel` (`ddp`) and "
-                "`fully_shard` (`fsdp2`), and tensor parallelism alone (`tp`: "
-                "`parallelize_module` over the two ranks, target 0.20). `bit_identical` "
-                "covers all four. "
+                "`fully_shard` (`fsdp2`). `bit_identical` covers all three. "
                 "`ddp_step_over_manual_allreduce_step` compares failure-free median step "
                 "times (DDP overlaps its all-reduce with the backward; on 2 cores that "
                 "overlap competes with compute). `step_time_after_recovery_over_before`: "
