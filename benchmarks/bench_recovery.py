@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
@@ -184,16 +185,35 @@ def measure_steady_after_recovery(tmp: Path, worker_args: list[str], kill_step: 
             "steady_steps_each_side": n}
 
 
+@dataclass(frozen=True)
+class JobSize:
+    """The job every recovery benchmark times (this one's and
+    ``bench_recovery_model_parallel``'s), per mode."""
+
+    width: int
+    layers: int
+    steps: int
+    dcp_every: int
+    kill_step: int
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> JobSize:
+        return cls(1024, 4, 14, 5, 12) if quick else cls(2048, 4, 40, 10, 35)
+
+    def worker_args(self) -> list[str]:
+        return ["--steps", str(self.steps), "--width", str(self.width),
+                "--layers", str(self.layers), "--ckpt-every", str(self.dcp_every)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     args = ap.parse_args()
     q = args.quick
-    width, layers = (1024, 4) if q else (2048, 4)
-    steps, every, kill_step = (14, 5, 12) if q else (40, 10, 35)
-    worker_args = ["--steps", str(steps), "--width", str(width), "--layers", str(layers),
-                   "--ckpt-every", str(every)]
+    size = JobSize.for_mode(q)
+    width, layers, every, kill_step = size.width, size.layers, size.dcp_every, size.kill_step
+    worker_args = size.worker_args()
     state_bytes = 3 * 4 * layers * (width * width + width)
     n_steady = 50
     steady_args = ["--steps", str(2 * n_steady + 12), "--width", str(width),

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks._harness import emit, progress
-from benchmarks.bench_recovery import measure_wrap
+from benchmarks.bench_recovery import JobSize, measure_wrap
 
 
 def main() -> None:
@@ -29,22 +29,19 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     args = ap.parse_args()
     q = args.quick
-    width, layers = (1024, 4) if q else (2048, 4)
-    steps, every, kill_step = (14, 5, 12) if q else (40, 10, 35)
-    worker_args = ["--steps", str(steps), "--width", str(width), "--layers", str(layers),
-                   "--ckpt-every", str(every)]
+    size = JobSize.for_mode(q)  # bench_recovery's job, so the two compare
     # each rank holds half of every weight, with Adam's two moments
-    state_bytes = 3 * 4 * layers * (width * width + width) // 2
+    state_bytes = 3 * 4 * size.layers * (size.width * size.width + size.width) // 2
     tmp = Path(tempfile.mkdtemp(prefix="bench_recovery_mp_"))
     t0 = time.perf_counter()
     try:
         progress(f"tensor parallel over 2 ranks, about {state_bytes / 2**20:.0f} MiB per rank")
-        tp = measure_wrap(tmp, "tp", worker_args, kill_step)
+        tp = measure_wrap(tmp, "tp", size.worker_args(), size.kill_step)
         result = {
             "quick": q,
             "state_bytes_per_rank": state_bytes,
-            "kill_step": kill_step,
-            "dcp_every_n_steps": every,
+            "kill_step": size.kill_step,
+            "dcp_every_n_steps": size.dcp_every,
             "recovery_over_restart_tp": tp["recovery_over_restart"],
             "bit_identical": tp["bit_identical"],
             "tp": tp,

@@ -21,29 +21,28 @@ _PREPARED_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized",
                    "_stages_forward_initialized", "_stages_backward_initialized")
 
 
-def schedule_type() -> type | None:
-    """torch's base class of every pipeline schedule, or None where it is missing
-    (not imported: nothing to reset; another torch: nothing known to reset)."""
+def schedule_types() -> tuple[type | tuple[()], type | None]:
+    """torch's base class of every pipeline schedule (``()`` where it is missing: not
+    imported, nothing to reset; another torch, nothing known to reset) and that of the
+    schedules with several stages per rank (None where missing)."""
     import sys
 
     module = sys.modules.get("torch.distributed.pipelining.schedules")
-    return getattr(module, "_PipelineSchedule", None) if module is not None else None
+    base = getattr(module, "_PipelineSchedule", None) if module is not None else None
+    multi = getattr(module, "PipelineScheduleMulti", None) if module is not None else None
+    return (base if base is not None else ()), multi
 
 
-def reset_schedule(schedule: Any) -> bool:
+def reset_schedule(schedule: Any, multi: type | None) -> bool:
     """Mark ``schedule``'s stages unprepared; False if it keeps no flag known here.
 
-    A schedule with several stages per rank (``PipelineScheduleMulti``: interleaved
-    1F1B, looped BFS, the zero-bubble ones) raises
-    :class:`~recovery.common.errors.RecoveryImpossible`, which stops the job with one
-    line: tried with ``ScheduleInterleaved1F1B``, the replayed step failed inside torch
-    ("Recv twice for stage_idx=3 mb_index=1 without executing forward"), so it keeps
-    per-step state that these flags do not cover, and it was reported as a bug in the
-    user's step."""
-    import sys
-
-    module = sys.modules.get("torch.distributed.pipelining.schedules")
-    multi = getattr(module, "PipelineScheduleMulti", None)
+    A schedule with several stages per rank (an instance of ``multi``,
+    ``PipelineScheduleMulti``: interleaved 1F1B, looped BFS, the zero-bubble ones)
+    raises :class:`~recovery.common.errors.RecoveryImpossible`, which stops the job with
+    one line: tried with ``ScheduleInterleaved1F1B``, the replayed step failed inside
+    torch ("Recv twice for stage_idx=3 mb_index=1 without executing forward"), so it
+    keeps per-step state that these flags do not cover, and it was reported as a bug in
+    the user's step."""
     if multi is not None and isinstance(schedule, multi):
         from recovery.common.errors import RecoveryImpossible
 

@@ -111,7 +111,7 @@ def reset_parallel_modules(fresh_process: bool,
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         FSDPModule = ()  # isinstance(x, ()) is always False
-    schedule = pipeline_schedules.schedule_type() or ()
+    schedule, multi = pipeline_schedules.schedule_types()
     ddps, fsdps, schedules = [], [], 0
     with warnings.catch_warnings():
         # isinstance() on torch's deprecated ``dist.reduce_op`` object warns
@@ -122,7 +122,7 @@ def reset_parallel_modules(fresh_process: bool,
     modules = []
     for obj in objects:
         if isinstance(obj, schedule):
-            schedules += pipeline_schedules.reset_schedule(obj)
+            schedules += pipeline_schedules.reset_schedule(obj, multi)
         else:
             modules.append(obj)
     del objects
