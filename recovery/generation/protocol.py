@@ -29,13 +29,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from recovery.common.causes import CONSEQUENTIAL, FailureCause
 from recovery.common.events import registered
+from recovery.generation.join_record import JoinRecord
 from recovery.job_store import auth
 from replication.side_channel import signing
 
@@ -359,38 +360,6 @@ def keycheck(store: dist.Store) -> bool | None:
     if raw is None:
         return None
     return signing.process_signer().open(KEYCHECK_KEY, raw) == _KEYCHECK_TEXT.encode()
-
-
-@dataclass(frozen=True)
-class JoinRecord:
-    """What a rank brings to a generation's rendezvous."""
-
-    rank: int
-    node: int
-    pid: int
-    newcomer: bool
-    local_steps: list[int] = field(default_factory=list)  # own sealed snapshots held
-    replicas: dict[str, list[int]] = field(default_factory=dict)  # src rank -> steps held
-    committed: int = -1  # the newest step this rank learned is committed (ADR 0022)
-    # Live rollback (ADR 0039): the step whose end this survivor's live state still is
-    # (-1: none), and the step of the newest mark it holds of each source rank.
-    live_step: int = -1
-    marks: dict[str, int] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(raw: bytes | str) -> JoinRecord:
-        d = json.loads(raw)
-        return JoinRecord(
-            rank=int(d["rank"]), node=int(d["node"]), pid=int(d["pid"]),
-            newcomer=bool(d["newcomer"]), local_steps=[int(s) for s in d["local_steps"]],
-            replicas={str(k): [int(s) for s in v] for k, v in d["replicas"].items()},
-            committed=int(d.get("committed", -1)),
-            live_step=int(d.get("live_step", -1)),
-            marks={str(k): int(v) for k, v in d.get("marks", {}).items()},
-        )
 
 
 class EventLog:

@@ -109,6 +109,10 @@ class RecoveryPlan:
     # step ``target_step``; ``base_step`` is the committed step whose copies stay.
     live: bool = False
     base_step: int = -1
+    # A sharded job's live rollback (ADR 0049): each newcomer rebuilds its state from
+    # its replica of ``base_step`` and the update log since; else why none was possible.
+    logged: bool = False
+    live_refused: str = ""
 
     @property
     def newcomers(self) -> list[int]:
@@ -225,7 +229,8 @@ def _parse_plan(payload: str, gen: int) -> tuple[RecoveryPlan, str | None] | Non
         plan = RecoveryPlan(int(d["gen"]), int(d["target_step"]),
                             {int(k): int(v) for k, v in d["providers"].items()},
                             int(d["planner"]), bool(d.get("live", False)),
-                            int(d.get("base_step", -1)))
+                            int(d.get("base_step", -1)), bool(d.get("logged", False)),
+                            str(d.get("live_refused", "")))
         impossible = None if d.get("impossible") is None else str(d["impossible"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None  # sealed with our key yet unreadable: a bug elsewhere; nobody acts on it
@@ -238,8 +243,8 @@ def _plan_payload(plan: RecoveryPlan, impossible: str | None, committed: int | N
         "gen": plan.gen, "target_step": plan.target_step,
         "providers": {str(k): v for k, v in sorted(plan.providers.items())},
         "impossible": impossible, "planner": plan.planner, "committed_step": committed,
-        "live": plan.live, "base_step": plan.base_step,
-        "world_size": world_size, "ts": time.time(),
+        "live": plan.live, "base_step": plan.base_step, "logged": plan.logged,
+        "live_refused": plan.live_refused, "world_size": world_size, "ts": time.time(),
     })
 
 
@@ -529,7 +534,7 @@ def choose_plan(gen: int, recorded: int, records: dict[int, JoinRecord]) -> Reco
         except RecoveryImpossible as exc:
             first_error = first_error or exc
             continue
-        return live_plan.upgrade(plan, records) or plan  # no replay where it can
+        return live_plan.upgrade(plan, records)  # no replay where it can
     assert first_error is not None
     raise first_error
 

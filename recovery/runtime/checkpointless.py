@@ -520,6 +520,7 @@ class Checkpointless:
         timings = recovery_timeline.phases(causes, t_detect, t_abort, t_rdzv, t_pg, t_done)
         info = {"gen": gen, "cause": first, "local_cause": cause, "target_step": plan.target_step,
                 "live": plan.live, "base_step": plan.base_step if plan.live else plan.target_step,
+                "logged": plan.logged, "live_refused": plan.live_refused,
                 **self._joined_live,
                 "fault_at": recovery_timeline.fault_at(causes, t_detect),
                 "newcomers": plan.newcomers, "providers": plan.providers,
@@ -546,7 +547,8 @@ class Checkpointless:
             local_steps=local, replicas={str(src): steps for src, steps in held.items()},
             committed=self.replicator.known_committed if self.replicator else -1,
             **live_rollback.join_fields(self, newcomer))
-        self._joined_live = {"live_step": record.live_step, "marks_held": record.marks}
+        self._joined_live = {"live_step": record.live_step, "marks_held": record.marks,
+                             "logs_held": record.logs}
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         # A newer generation as the watchdog saw it (on its own connection, no request here)
         return live_rollback.rendezvous_capturing_ahead(self, record.live_step, lambda: agree(

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from replication.replica_protocol import marks
 from replication.replica_protocol.handover import HandoverResult
 from replication.replica_protocol.live_handover import hand_over_live
+from replication.replica_protocol.logged_handover import hand_over_logged
 from replication.replica_protocol.marks import MarkExchange
 from replication.replica_protocol.replicator import Replicator
 from replication.snapshots.slots import SnapshotSlot
@@ -66,21 +68,29 @@ def start_marks(rt: Checkpointless) -> None:
     if isinstance(parts, SnapshotMarks):
         rep.marks.declare_parts(parts.large, parts.buffers)
     else:
-        rep.marks.declare(rt._dp_entries)
+        rep.marks.declare(rt._dp_entries, sharded=True)
+        rep.marks.logs.max_bytes = rep.log_budget()
     if rep.mark_exchange is None and rep.factor > 1:
+        sizes = rep.state_bytes_of_rank
+        first = ((lambda r: marks.first_capacity(sizes[r])) if rep.marks.sharded
+                 else (lambda r: marks.FIRST_CAPACITY))
         rep.mark_exchange = MarkExchange(rep.channel, rep.rank, rep.holders[rep.rank],
-                                         rep.sources[rep.rank], rep.marks)
+                                         rep.sources[rep.rank], rep.marks, first)
 
 
 def mark(rt: Checkpointless, step: int) -> None:
     """The end of ``step``: capture this rank's mark and send it to its holders."""
     rep = _replicator(rt)
-    if rep is None or rep.mark_exchange is None:
+    if rep is None:
+        return
+    rep.marks.logs.committed(rep.known_committed)  # a holder's logs start after it
+    if rep.mark_exchange is None:
+        rep.marks.discard_updates()
         return
     if rep.marks.at_snapshots and not _holds(rep, step):
         return  # marks of checkpoint parts: at snapshot steps only
-    if (captured := rep.marks.capture(step)) is not None:
-        rep.mark_exchange.send(captured)
+    if (captured := rep.marks.capture(step)) is not None and captured.replayable:
+        rep.mark_exchange.send(captured)  # one a holder could not replay: a gap
 
 
 def _holds(rep: Replicator, step: int) -> bool:
@@ -95,7 +105,9 @@ def join_fields(rt: Checkpointless, newcomer: bool) -> dict:
     if newcomer or rep is None:
         return {"live_step": -1, "marks": {}}
     held = rep.marks.held_steps()
-    return {"live_step": live_step(rt), "marks": {str(k): v for k, v in held.items()}}
+    logs = rep.marks.logs.first_steps()
+    return {"live_step": live_step(rt), "marks": {str(k): v for k, v in held.items()},
+            "sharded": rep.marks.sharded, "logs": {str(k): v for k, v in logs.items()}}
 
 
 def live_step(rt: Checkpointless) -> int:
@@ -266,11 +278,18 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
         captured = rep.capture(step)
         rep.engine.seal(captured)
     capture_s = time.perf_counter() - t0
-    result = hand_over_live(
-        channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
-        rank=rep.rank, live_step=step, base_step=plan.base_step,
-        providers=plan.providers, chunk_bytes=rep.config.chunk_bytes, captured=captured,
-        same_host=rep.config.same_host_handover)
+    if plan.logged:  # a sharded job: newcomers replay their optimizer steps (ADR 0049)
+        result = hand_over_logged(
+            channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
+            serve=rep.replica_source, rank=rep.rank, live_step=step,
+            base_step=plan.base_step, providers=plan.providers,
+            chunk_bytes=rep.config.chunk_bytes)
+    else:
+        result = hand_over_live(
+            channel=rep.channel, engine=rep.engine, replicas=rep.replicas, book=rep.marks,
+            rank=rep.rank, live_step=step, base_step=plan.base_step,
+            providers=plan.providers, chunk_bytes=rep.config.chunk_bytes,
+            captured=captured, same_host=rep.config.same_host_handover)
     if rep.rank in plan.providers and not parts:  # a newcomer, its mark loaded just now
         _schedule(rt, step)
     drop_gradients(rt)

@@ -25,15 +25,23 @@ plain object, say): capturing it at every step would cost what a snapshot does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from replication.replica_protocol.peer_logs import PeerLogs
+from replication.replica_protocol.update_log import (
+    UPDATES,
+    UpdateRecorder,
+    optimized_modules,
+    set_hyperparameters,
+)
 from replication.side_channel import tags
 from replication.side_channel.transport import SideChannel, TransportError
 from replication.side_channel.work_waiter import Waiters
@@ -59,6 +67,12 @@ class Mark:
     step: int
     meta: SnapshotMeta
     buffer: torch.Tensor
+    replayable: bool = True  # its optimizer inputs can be replayed (not sent if not)
+
+    @property
+    def has_updates(self) -> bool:
+        """Whether it carries its step's optimizer inputs (a sharded job's mark)."""
+        return any(seg.name == UPDATES for seg in self.meta.layout.segments)
 
     def to_tensor(self) -> torch.Tensor:
         """One byte tensor: the metadata's length (8 bytes), the metadata, the bytes."""
@@ -95,6 +109,22 @@ def large_entries(state: TrainingState, data_parallel: Iterable[str]) -> list[st
                 return None
             large.append(name)
     return large if any(n in dp for n in large) else None
+
+
+def sharded_entries(state: TrainingState) -> tuple[list[str] | None, str]:
+    """A job whose modules are not all data-parallel (FSDP2 or TP shards, pipeline
+    stages, a model nobody declared): every module and optimizer is large, and a lost
+    rank's are rebuilt from its replica plus the optimizer inputs logged since
+    (:mod:`replication.replica_protocol.update_log`). Returns the entries, or ``None``
+    and why not."""
+    modules = [(n, o) for n, o in state if isinstance(o, torch.nn.Module)]
+    optims = [(n, o) for n, o in state if isinstance(o, torch.optim.Optimizer)]
+    if not modules:
+        return None, "no module is registered"
+    why = optimized_modules([o for _, o in modules], [o for _, o in optims])
+    if why is not None:
+        return None, why
+    return [n for n, _ in (*modules, *optims)], ""
 
 
 def _large_tensors(objs: Sequence[Any]) -> list[torch.Tensor]:
@@ -141,6 +171,22 @@ class _Buffers:
                 found[name][buffer].copy_(value)
 
 
+class _Hyperparameters:
+    """A mark's :data:`UPDATES` entry loaded on a rank that records none (a
+    replacement before its declaration): it sets the hyperparameters in force at the
+    mark on the registered optimizers it names."""
+
+    def __init__(self, state: TrainingState) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": [], "after": {}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_hyperparameters({n: o for n, o in self.state
+                             if isinstance(o, torch.optim.Optimizer)}, state_dict["after"])
+
+
 def _hyperparameters(objs: Sequence[Any]) -> str:
     """The optimizers' non-tensor settings (a scheduler changes ``lr`` in place)."""
     return repr([[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
@@ -164,6 +210,16 @@ class MarkBook:
         self._lock = threading.Lock()
         self._too_large_warned = False
         self._buffers_entry: Any = None  # set by declare_parts, for good
+        # A job whose modules are not all data-parallel (ADR 0049): the optimizers'
+        # inputs travel in every mark, and the holders keep them since the last commit.
+        self.recorder: UpdateRecorder | None = None
+        self.why_no_marks = ""  # when the job has none: why (the recovery event says it)
+        self.logs = PeerLogs()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether marks carry the optimizers' inputs (:attr:`recorder`)."""
+        return self.recorder is not None
 
     @property
     def at_snapshots(self) -> bool:
@@ -188,14 +244,25 @@ class MarkBook:
         small.register(BUFFERS, buffers)
         self._small, self._large_objs, self._buffers_entry = small, [], buffers
 
-    def declare(self, data_parallel: Iterable[str]) -> None:
-        """The data-parallel entries are known (or changed): which entries marks hold."""
+    def declare(self, data_parallel: Iterable[str], sharded: bool = True) -> None:
+        """The data-parallel entries are known (or changed): which entries marks hold.
+        ``sharded``: a job that is not data-parallel gets marks with its optimizers'
+        inputs (:func:`sharded_entries`); False: none."""
         if self.at_snapshots:  # declared by parts, for good
             return
         large = large_entries(self.state, data_parallel)
-        if large == self.large:
+        logged = False
+        if large is None:
+            self.why_no_marks = "the model is not data-parallel"
+            if sharded:
+                large, why = sharded_entries(self.state)
+                logged = large is not None
+                self.why_no_marks = why
+        if large == self.large and logged == self.sharded:
             return
-        self.large, self.own, self._small = large, None, None
+        if self.recorder is not None:
+            self.recorder.remove()
+        self.large, self.own, self._small, self.recorder = large, None, None, None
         if large is not None:
             small = TrainingState(rng=False)
             for name, obj in self.state:
@@ -203,6 +270,11 @@ class MarkBook:
                     small.register(name, obj)
             modules = [n for n, o in self.state if n in large and isinstance(o, torch.nn.Module)]
             small.register(BUFFERS, _Buffers(self.state, modules))
+            if logged:
+                self.recorder = UpdateRecorder(
+                    {n: o for n, o in self.state
+                     if n in large and isinstance(o, torch.optim.Optimizer)})
+                small.register(UPDATES, self.recorder)
             self._small = small
             self._large_objs = [obj for name, obj in self.state if name in large]
 
@@ -211,14 +283,38 @@ class MarkBook:
         if self._small is None:
             return None
         flat = flatten(self._small.capture())
-        if flat.layout.nbytes > MAX_MARK_BYTES:
-            self._give_up(flat.layout.nbytes)
+        small = flat.layout.nbytes - sum(seg.nbytes for seg in flat.layout.segments
+                                         if seg.name == UPDATES)
+        if small > MAX_MARK_BYTES:
+            self._give_up(small)
             return None
         mark = Mark(step, *encode_to_buffer(flat, step))
+        if self.recorder is not None:
+            mark = dataclasses.replace(mark, replayable=not self.recorder.unreplayable)
+            self.recorder.taken()  # copied into the mark: the next one starts empty
         self.own = mark
-        self._versions = tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
+        self._versions = self._version_record()
         self._hyper = _hyperparameters(self._large_objs)
         return mark
+
+    def _version_record(self) -> tuple[tuple[int, int], ...]:
+        """The large tensors' version counters, and the optimizer steps begun (a
+        DTensor's counter does not move under a ``foreach`` optimizer step)."""
+        if self.recorder is None:
+            return tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
+        # A sharded job: the optimizers' parameters, not the modules'. FSDP2 registers
+        # unsharded parameters on its modules between an all-gather and the reshard
+        # after it, which a failure in forward or backward leaves in place.
+        objs = [o for o in self._large_objs if isinstance(o, torch.optim.Optimizer)]
+        params = [p for o in objs for g in o.param_groups for p in g["params"]]
+        return (*((id(t), t._version) for t in (*params, *_large_tensors(objs))),
+                (0, self.recorder.begun))
+
+    def discard_updates(self) -> None:
+        """No mark is taken at this step (none is sent): the optimizer inputs recorded
+        since the last one go, or they would pile up."""
+        if self.recorder is not None:
+            self.recorder.taken()
 
     def _give_up(self, nbytes: int) -> None:
         if not self._too_large_warned:
@@ -226,7 +322,10 @@ class MarkBook:
             log.warning("live rollback off: the state besides the data-parallel model and "
                         "optimizer is %d bytes per step (over %d); recoveries replay from "
                         "the last snapshot", nbytes, MAX_MARK_BYTES)
-        self.large, self._small, self.own = None, None, None
+        if self.recorder is not None:
+            self.recorder.remove()
+        self.large, self._small, self.own, self.recorder = None, None, None, None
+        self.why_no_marks = "the state besides the model and optimizer is too large"
 
     def live_step(self) -> int:
         """The step whose end the live state still is (its large entries untouched
@@ -236,7 +335,7 @@ class MarkBook:
             return -1
         if self.at_snapshots:
             return self.own.step
-        now = tuple((id(t), t._version) for t in _large_tensors(self._large_objs))
+        now = self._version_record()
         if now != self._versions or _hyperparameters(self._large_objs) != self._hyper:
             return -1
         return self.own.step
@@ -259,6 +358,9 @@ class MarkBook:
         if BUFFERS in wanted:
             out.register(BUFFERS, self._buffers_entry if self.at_snapshots
                          else _Buffers(self.state, ()))
+        if UPDATES in wanted:  # its load sets the hyperparameters in force at the mark
+            out.register(UPDATES, self.recorder if self.recorder is not None
+                         else _Hyperparameters(self.state))
         missing = wanted - set(out.names())
         if missing:
             raise KeyError(f"state entries {sorted(missing)} are not registered here")
@@ -267,6 +369,8 @@ class MarkBook:
     def store_peer(self, src: int, mark: Mark) -> None:
         with self._lock:
             self.held[src] = mark
+        if mark.has_updates:
+            self.logs.append(src, mark)
 
     def held_steps(self) -> dict[int, int]:
         with self._lock:
@@ -284,6 +388,12 @@ def _capacity(nbytes: int) -> int:
     """The size of the message after one that carried ``nbytes``: room to grow a
     quarter, in whole pages, and never under :data:`FIRST_CAPACITY`."""
     return max(FIRST_CAPACITY, -(-(nbytes + nbytes // 4) // 4096) * 4096)
+
+
+def first_capacity(state_bytes: int) -> int:
+    """The first message of a sharded job's marks: the gradients it carries are at most
+    the state's size (parameters and optimizer state), plus the small part."""
+    return _capacity(state_bytes + MAX_MARK_BYTES)
 
 
 class MarkExchange:
@@ -307,13 +417,17 @@ class MarkExchange:
     of the job waits on a peer."""
 
     def __init__(self, channel: SideChannel, rank: int, holders: Sequence[int],
-                 sources: Sequence[int], book: MarkBook) -> None:
+                 sources: Sequence[int], book: MarkBook,
+                 first: Callable[[int], int] = lambda rank: FIRST_CAPACITY) -> None:
+        """``first(rank)``: the size of ``rank``'s first message, known to both sides (a
+        sharded job's marks carry gradients: its state's size bounds them)."""
         self.channel = channel
         self.rank = rank
         self.holders = [h for h in holders if h != rank]
         self.book = book
         self.skipped = 0
-        self._capacity = FIRST_CAPACITY  # the size of the next message sent
+        self._first = first
+        self._capacity = first(rank)  # the size of the next message sent
         self._posted = 0
         self._ended = 0  # sends whose wait returned (or failed), counted by the reaper
         self._sends: queue.SimpleQueue[tuple[list, threading.Event] | None] = \
@@ -378,7 +492,7 @@ class MarkExchange:
 
     def _receive(self, src: int) -> None:
         try:
-            capacity = FIRST_CAPACITY
+            capacity = self._first(src)
             buf = torch.empty(capacity, dtype=torch.uint8)
             works = self.channel.post_recv(buf, src, tags.MARK_DATA, 1 << 30)
             while True:

@@ -239,8 +239,8 @@ class Replicator:
                 self.factor, len(set(self.node_of_rank)),
             )
         self.sources = sources_of(self.holders)
-        # Per-step marks for a live rollback (replica_protocol.marks): carried over, like the
-        # snapshots; exchanged once the runtime starts an exchange (recovery.runtime.live_rollback).
+        # Per-step marks for a live rollback (.marks): carried over, like the snapshots;
+        # exchanged once the runtime starts an exchange (recovery.runtime.live_rollback).
         self.marks = (previous.marks if previous is not None else None) or MarkBook(state)
         self.mark_exchange: MarkExchange | None = None
         self._inflight: Future | None = None
@@ -283,6 +283,11 @@ class Replicator:
         check_budget(plan, self.memory, self.local_world_size, self._budget)
         return plan
 
+    def log_budget(self) -> int:
+        """Update log bytes this rank may hold per source (ADR 0049): the budget's rest."""
+        return max(0, self._budget - self.check_budget().total_bytes) // max(
+            1, len(self.sources[self.rank]))
+
     def _check_layout_budget(self, layout: SnapshotLayout) -> None:
         check_budget(self.plan(layout.nbytes), self.memory, self.local_world_size, self._budget)
 
@@ -310,8 +315,7 @@ class Replicator:
         """Whether ``step`` is snapshotted by default: every ``replication.every_n_steps``-th."""
         return step % self.config.every_n_steps == 0
 
-    def maybe_snapshot(self, step: int) -> float | None:
-        """:meth:`snapshot` on every ``replication.every_n_steps``-th step."""
+    def maybe_snapshot(self, step: int) -> float | None:  # every every_n_steps-th step
         return self.snapshot(step) if self.snapshot_due(step) else None
 
     def settled_round(self) -> RoundStats | None:
@@ -583,11 +587,8 @@ class Replicator:
         return Served(rslot.meta, source, self.replicas.ring() if rslot.on_device else None)
 
     def replica_buffer(self, src: int, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
-        """The full snapshot bytes of ``src`` at ``step`` as held here, verified.
-
-        Shared segments come from this rank's own snapshot of the same step. The result
-        is a fresh buffer, so it stays valid while later rounds reuse the slots.
-        """
+        """The full snapshot bytes of ``src`` at ``step`` as held here, verified, in a fresh
+        buffer (valid while later rounds reuse the slots); shared segments from our own."""
         rslot = self.replicas.get(src, step)
         assert rslot.meta is not None and rslot.buffer is not None
         out = rslot.host_copy()
