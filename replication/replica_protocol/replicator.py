@@ -18,9 +18,8 @@ and hands the rest of the round to a background thread:
    record: :mod:`.commit_tree`, ADR 0022), then mark the step committed locally so its
    buffers survive the next capture.
 
-The next ``snapshot`` waits for the previous round, which bounds memory to two buffers
-per copy. An error in a round (a dead peer, a timeout, a bad checksum) leaves the step
-uncommitted and is raised in the training thread at the next call.
+The next ``snapshot`` waits for the previous round (two buffers per copy at most). A
+round's error (a dead peer, a timeout, a bad checksum) is raised at the next call.
 """
 
 from __future__ import annotations
