@@ -112,7 +112,7 @@ class RecoveryPlan:
     # A sharded job's live rollback (ADR 0049): each newcomer rebuilds its state from
     # its replica of ``base_step`` and the update log since; else why none was possible.
     logged: bool = False
-    live_refused: str = ""
+    live_refused: str = dataclasses.field(default="", compare=False)  # diagnostic only
 
     @property
     def newcomers(self) -> list[int]:

@@ -70,12 +70,13 @@ def start_marks(rt: Checkpointless) -> None:
     else:
         rep.marks.declare(rt._dp_entries, sharded=True)
         rep.marks.logs.max_bytes = rep.log_budget()
+        if rt.auto_interval is not None and rep.marks.sharded:
+            rt.auto_interval.log_steps = rep.marks.logs.steps_that_fit
     if rep.mark_exchange is None and rep.factor > 1:
-        sizes = rep.state_bytes_of_rank
-        first = ((lambda r: marks.first_capacity(sizes[r])) if rep.marks.sharded
-                 else (lambda r: marks.FIRST_CAPACITY))
+        sizes = rep.state_bytes_of_rank  # agreed by the generation: both sides' bound
         rep.mark_exchange = MarkExchange(rep.channel, rep.rank, rep.holders[rep.rank],
-                                         rep.sources[rep.rank], rep.marks, first)
+                                         rep.sources[rep.rank], rep.marks,
+                                         lambda r: marks.first_capacity(sizes[r]))
 
 
 def mark(rt: Checkpointless, step: int) -> None:

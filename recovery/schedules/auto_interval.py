@@ -42,7 +42,13 @@ from typing import Any
 import torch
 
 from recovery.common.events import Event
-from recovery.schedules.interval_policy import ASSUMED_MTBF_S, Choice, IntervalPolicy, SavePolicy
+from recovery.schedules.interval_policy import (
+    ASSUMED_MTBF_S,
+    MAX_INTERVAL,
+    Choice,
+    IntervalPolicy,
+    SavePolicy,
+)
 
 AGREE_EVERY = 64
 """Global steps between agreements (the probe's interval divides it)."""
@@ -82,6 +88,9 @@ class AutoInterval:
         self._seen: Any = None  # the newest durable save ticket seen
         self._tickets: list[Any] = []  # saves whose end is not counted yet
         self._saving: int | None = None  # the step being saved when the next step began
+        # Steps of update log this rank can hold for its sources (ADR 0049; None: no
+        # log): the snapshot interval is capped to what every rank can hold.
+        self.log_steps: Callable[[], int | None] = lambda: None
 
     @classmethod
     def from_settings(cls, settings: Any, rank: int, log: Any, state: Any,
@@ -190,11 +199,15 @@ class AutoInterval:
         save_local = self.saves.propose() if self.saves is not None else None
         # The third element: whether any rank's snapshot interval is its budget's (set
         # by a measured cost, so it shortens by halves at most: IntervalPolicy.adopt).
+        fits = self.log_steps()
         proposal = torch.tensor([*(c.every_n_steps if c is not None else 0
                                    for c in (rep_local, save_local)),
-                                 int(rep_local is not None and rep_local.budget_bound)])
+                                 int(rep_local is not None and rep_local.budget_bound),
+                                 -(MAX_INTERVAL if fits is None else fits)])  # MAX: least
         self.agree(proposal)
-        n_rep, n_save, budget_bound = (int(x) for x in proposal.tolist())
+        n_rep, n_save, budget_bound, least = (int(x) for x in proposal.tolist())
+        if self.policy is not None:  # an update log longer than memory holds: replays
+            self.policy.max_interval = max(1, min(MAX_INTERVAL, -least))
         # Decide from the intervals in force (the same on every rank, a replacement's
         # and a rolled-back rank's included), not from this rank's own history.
         rep = self.settings.replication

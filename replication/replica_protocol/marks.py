@@ -391,8 +391,9 @@ def _capacity(nbytes: int) -> int:
 
 
 def first_capacity(state_bytes: int) -> int:
-    """The first message of a sharded job's marks: the gradients it carries are at most
-    the state's size (parameters and optimizer state), plus the small part."""
+    """The receive posted for a rank's first mark message: room for a sharded job's
+    mark, whose gradients are at most the state's size (parameters and optimizer
+    state), plus the small part. Untouched pages of it cost no memory."""
     return _capacity(state_bytes + MAX_MARK_BYTES)
 
 
@@ -404,7 +405,11 @@ class MarkExchange:
     threads as soon as they are sent, whatever the holder's Python threads are doing:
     ``[step, length, next size]`` (three int64), the mark, padding. Each message names
     the size of the next (:func:`_capacity` of this one's); a mark that does not fit
-    is not sent, and an empty message (step -1) carries the larger size instead.
+    is not sent, and an empty message (step -1) carries the larger size instead. The
+    first message is as large as its mark needs, up to the receive posted for it
+    (``first``): a rank decides what its marks hold (data-parallel or sharded,
+    :meth:`MarkBook.declare`) only once its job has declared its entries, which may
+    come after the exchange starts, so neither side's size may depend on that.
 
     The training thread never blocks in gloo: it posts the sends and a daemon thread
     waits for them (gloo's point-to-point works end only in ``wait``); the training
@@ -419,15 +424,15 @@ class MarkExchange:
     def __init__(self, channel: SideChannel, rank: int, holders: Sequence[int],
                  sources: Sequence[int], book: MarkBook,
                  first: Callable[[int], int] = lambda rank: FIRST_CAPACITY) -> None:
-        """``first(rank)``: the size of ``rank``'s first message, known to both sides (a
-        sharded job's marks carry gradients: its state's size bounds them)."""
+        """``first(rank)``: the receive posted for ``rank``'s first message, known to
+        both sides; its first message is no larger."""
         self.channel = channel
         self.rank = rank
         self.holders = [h for h in holders if h != rank]
         self.book = book
         self.skipped = 0
         self._first = first
-        self._capacity = first(rank)  # the size of the next message sent
+        self._capacity = 0  # the size of the next message sent (0: the first is to come)
         self._posted = 0
         self._ended = 0  # sends whose wait returned (or failed), counted by the reaper
         self._sends: queue.SimpleQueue[tuple[list, threading.Event] | None] = \
@@ -449,9 +454,11 @@ class MarkExchange:
             self.skipped += 1
             return False
         data = mark.to_tensor()
+        following = _capacity(_HEADER + data.numel())
+        if not self._capacity:
+            self._capacity = min(self._first(self.rank), following)
         fits = _HEADER + data.numel() <= self._capacity
         msg = torch.zeros(self._capacity, dtype=torch.uint8)
-        following = _capacity(_HEADER + data.numel())
         msg[:_HEADER] = torch.tensor([mark.step if fits else -1, data.numel() if fits else 0,
                                       following], dtype=torch.int64).view(torch.uint8)
         if fits:

@@ -83,6 +83,16 @@ class PeerLogs:
             raise KeyError(f"no update log of rank {src} from step {first} to {last}")
         return out
 
+    def steps_that_fit(self) -> int | None:
+        """How many marks of every source fit in :attr:`max_bytes`, less two (a run
+        also holds the marks taken while the next snapshot's round commits); ``None``
+        while no run is held."""
+        with self._lock:
+            sizes = [run[-1].buffer.numel() for run in self._runs.values() if run]
+        if not sizes:
+            return None
+        return max(1, self.max_bytes // max(1, max(sizes)) - 2)
+
     def nbytes(self) -> int:
         """Bytes held, every source's run together (the memory report's figure)."""
         with self._lock:
