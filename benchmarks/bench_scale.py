@@ -249,6 +249,10 @@ def measure(quick: bool) -> dict[str, Any]:
         **{f"data_plane_bytes_per_rank_per_step_{n}": {
             k: round(v) for k, v in M.data_plane_bytes_per_rank_per_step(n, a).items()}
            for n in (1024, 16384)},
+        # a 70B FSDP2 job's live-state costs (ADR 0049): no measurement feeds this model
+        **{f"sharded_recovery_costs_{n}": {
+            k: round(v, 4) for k, v in M.sharded_recovery_costs(M.ShardedJob(n=n)).items()}
+           for n in (64, 1024)},
         "calibration": {**M.as_dict(cal), "link_rtt_p90_s": link["rtt_p90_s"],
                         "link_rtt_all_batches_median_s": link["rtt_all_median_s"],
                         "store_request_p90_s": store_cal["request_p90_s"],

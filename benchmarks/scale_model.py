@@ -234,3 +234,60 @@ def data_plane_bytes_per_rank_per_step(n: int, a: Assumptions) -> dict[str, floa
     return {"allreduce": ring, "allreduce_ordered": ring,
             "allreduce_gather_sum": (n - 1) * a.grad_bytes_per_rank,
             "replication": replication, "total_default": ring + replication}
+
+
+# --- a sharded job's live state (ADR 0049) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardedJob:
+    """An FSDP2 job of ``params`` parameters over ``n`` ranks (one shard each), with
+    fp32 master weights and Adam: 4 bytes of weight and 8 of moments per parameter.
+    FSDP's own traffic per step and rank: the forward's and the backward's all-gather
+    of the weights (``param_bytes`` each, bf16 under mixed precision) and the
+    reduce-scatter of the gradients (``grad_bytes``), each moving (N-1)/N of the whole
+    model through every rank."""
+
+    params: float = 70e9
+    n: int = 64
+    param_bytes: int = 2  # all-gathered weights (bf16 mixed precision)
+    grad_bytes: int = 2  # reduce-scattered gradients (bf16); the log keeps the same dtype
+    state_bytes_per_param: int = 12  # fp32 weight + Adam's two moments
+    replication_factor: int = 2
+    interval_steps: int = 64  # steps between committed snapshots (what auto picks, say)
+
+
+def sharded_recovery_costs(job: ShardedJob) -> dict[str, float]:
+    """Bytes per rank and step of the two ways to let a replacement go on from the live
+    step, against FSDP's own traffic, and the host memory each holds per holder.
+
+    - ``per_step_snapshot``: replicate the rank's own shard every step ((k-1) copies of
+      ``state_bytes_per_param`` x P/N), so a replica of the live step always exists;
+      a holder keeps two slots of it (the committed one and the one being written).
+    - ``update_log``: send the optimizer's inputs every step ((k-1) copies of the
+      gradient shard, ``grad_bytes`` x P/N); a holder keeps the committed replica and
+      every step's log since it (up to ``interval_steps`` of them).
+    """
+    p, n, k = job.params, job.n, job.replication_factor
+    fsdp = (2 * job.param_bytes + job.grad_bytes) * p * (n - 1) / n
+    shard = p / n
+    snap = (k - 1) * job.state_bytes_per_param * shard
+    log = (k - 1) * job.grad_bytes * shard
+    state = job.state_bytes_per_param * shard
+    return {
+        "fsdp_bytes_per_step": fsdp,
+        "state_bytes_per_rank": state,
+        "per_step_snapshot_bytes_per_step": snap,
+        "per_step_snapshot_over_fsdp": snap / fsdp,
+        "per_step_snapshot_holder_bytes": 2 * state * (k - 1),
+        "update_log_bytes_per_step": log,
+        "update_log_over_fsdp": log / fsdp,
+        "update_log_holder_bytes": (k - 1) * (state + job.interval_steps * job.grad_bytes
+                                              * shard),
+        # how many steps of log a holder fits in memory the size of one state: the
+        # budget, not the traffic, is what bounds the snapshot interval
+        "update_log_steps_per_state_of_memory": state / (job.grad_bytes * shard),
+        # the replacement's extra work: per-step snapshots none, the log L-C optimizer
+        # steps on its own shard (no forward, no backward)
+        "update_log_replay_optimizer_steps_max": job.interval_steps,
+    }

@@ -137,3 +137,20 @@ def test_detection_follows_how_the_node_was_lost():
         < model.detection_s(a, "stalled")
     with pytest.raises(ValueError, match="detection kind"):
         model.detection_s(a, "vanished")
+
+
+def test_sharded_recovery_costs_count_by_hand():
+    """FSDP moves two all-gathers of the weights and a reduce-scatter of the gradients;
+    a per-step snapshot sends the rank's whole shard of the state, the log its
+    gradient shard; a holder of the log keeps the replica plus a shard per step."""
+    from benchmarks.scale_model import ShardedJob, sharded_recovery_costs
+
+    job = ShardedJob(params=6400.0, n=64, param_bytes=2, grad_bytes=2,
+                     state_bytes_per_param=12, replication_factor=2, interval_steps=10)
+    got = sharded_recovery_costs(job)
+    assert got["fsdp_bytes_per_step"] == pytest.approx(6 * 6400 * 63 / 64)
+    assert got["per_step_snapshot_bytes_per_step"] == 12 * 100
+    assert got["update_log_bytes_per_step"] == 2 * 100
+    assert got["per_step_snapshot_over_fsdp"] == pytest.approx(2 / 63)
+    assert got["update_log_holder_bytes"] == 1200 + 10 * 200
+    assert got["update_log_steps_per_state_of_memory"] == 6

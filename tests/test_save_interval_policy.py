@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recovery.schedules import auto_interval
-from recovery.schedules.interval_policy import SavePolicy, choose_interval
+from recovery.schedules.interval_policy import MAX_INTERVAL, SavePolicy, choose_interval
 from replication.durable.saver import SaveResult
 from replication.durable.ticket import PersistTicket
 
@@ -187,7 +187,8 @@ def test_adapter_agrees_both_tiers_and_keeps_saves_on_committed_snapshots(monkey
         if step % 16 == 0:
             durable.submit(step - 1)  # the committed snapshot's step
         ai.after_step(step, True, None, durable)
-    assert agreed[-1] == [0, 20, 0]  # 20 ms a save (two steps of +10 ms) / 1 % of 100 ms
+    # 20 ms a save (two steps of +10 ms) / 1 % of 100 ms; no update log: no cap
+    assert agreed[-1] == [0, 20, 0, -MAX_INTERVAL]
     assert settings.persistence.every_n_steps == 20
     ev = log.events[-1]
     assert ev["event"] == "auto_interval" and ev["tier"] == "persistence"
@@ -331,7 +332,9 @@ def test_recipe_accepts_auto_budget_and_mtbf_and_refuses_bad_values(tmp_path) ->
 
 def test_the_agreement_tensor_is_one_collective_of_two_proposals() -> None:
     """Both tiers' proposals travel in one all-reduce (MAX): replication first, then
-    whether a snapshot proposal is its budget's (how far the interval may shorten)."""
+    whether a snapshot proposal is its budget's (how far the interval may shorten),
+    then the update-log steps the rank can hold, negated (MAX of them: the least;
+    MAX_INTERVAL where it holds none, ADR 0049)."""
     from recovery.recipe import CheckpointlessConfig
     from replication.training_state.state import TrainingState
 
@@ -342,4 +345,4 @@ def test_the_agreement_tensor_is_one_collective_of_two_proposals() -> None:
                                                   seen.append)
     assert ai is not None
     ai.after_step(auto_interval.AGREE_EVERY, True, None, None)
-    assert len(seen) == 1 and seen[0].tolist() == [0, 0, 0] and seen[0].dtype == torch.int64
+    assert len(seen) == 1 and seen[0].tolist() == [0, 0, 0, -MAX_INTERVAL] and seen[0].dtype == torch.int64

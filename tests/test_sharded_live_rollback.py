@@ -308,3 +308,54 @@ def test_the_marks_carry_the_updates_entry():
     _step(objs, 0)
     mark = book.capture(1)
     assert mark is not None and UPDATES in {s.name for s in mark.meta.layout.segments}
+
+
+# -- the memory bound forces a snapshot ---------------------------------------------------
+
+#: Room for this job's snapshot slots and replicas (2 x 254.5 KiB each, as the budget
+#: check reports it) and about 250 KB of update log: six marks of 37-41 KB, so the
+#: holders can keep 4 steps (less two for the round in flight) and the default
+#: interval's agreement caps it there.
+TIGHT_BUDGET = 1018 * 1024 + 260_000
+AUTO_STEPS = 90
+AUTO_ARGS = ("--steps", str(AUTO_STEPS), "--dim", "32", "--layers", "2", "--mesh", "1d")
+AUTO_SETTINGS = (*SETTINGS[:3], "replication.every_n_steps=auto",
+                 f"memory.host_budget_bytes={TIGHT_BUDGET}")
+
+
+def _capped_interval(job: h.JobResult) -> int:
+    """The interval every rank put in force at the first agreement (step 64), which
+    must be the update logs' bound, not a cost's."""
+    chosen = [e for e in job.events("auto_interval") if e.get("tier") == "replication"]
+    assert {e["rank"] for e in chosen} == {0, 1, 2, 3}, chosen
+    steps = {e["every_n_steps"] for e in chosen}
+    assert len(steps) == 1, chosen
+    k = steps.pop()
+    assert 1 < k < 8, f"the probe's 8 steps were not capped: {chosen}"
+    assert all(any(r.startswith(f"capped at {k} steps: the update logs") for r in e["reasons"])
+               for e in chosen), chosen
+    return k
+
+
+@pytest.mark.timeout(600)
+def test_the_memory_bound_forces_a_snapshot_before_the_log_overflows(tmp_path):
+    """With a budget that holds a few steps of log, the default interval is capped
+    there at its first agreement; a kill in the last step before the next snapshot
+    finds the whole log held and replays only the victim's optimizer steps."""
+    ref = h.run_job(tmp_path / "ref", nnodes=2, nproc=2, script=SCRIPT, script_args=AUTO_ARGS,
+                    overrides=AUTO_SETTINGS, timeout_s=300)
+    h.assert_succeeded(ref)
+    k = _capped_interval(ref)
+    base = -(-76 // k) * k  # a snapshot after the cap took effect; the kill is k-1 after
+    job = h.run_job(tmp_path / "run", nnodes=2, nproc=2, script=SCRIPT, script_args=AUTO_ARGS,
+                    overrides=(*AUTO_SETTINGS, f"recovery.fault=1:{base + k}:forward:sigkill"),
+                    timeout_s=300)
+    h.assert_succeeded(job)
+    assert _capped_interval(job) == k
+    recs = job.events("recovery")
+    assert {(e["target_step"], e["base_step"], e["live"], e["logged"]) for e in recs} == \
+        {(base + k - 1, base, True, True)}, recs
+    newcomer = [e for e in recs if e["newcomer"]]
+    assert newcomer[0]["transfer_parts"]["optimizer_steps_replayed"] == k - 1
+    assert all(e["log_bytes"] <= TIGHT_BUDGET - 1018 * 1024 for e in recs)
+    h.assert_same_final(ref, job)

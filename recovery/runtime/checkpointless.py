@@ -548,7 +548,7 @@ class Checkpointless:
             committed=self.replicator.known_committed if self.replicator else -1,
             **live_rollback.join_fields(self, newcomer))
         self._joined_live = {"live_step": record.live_step, "marks_held": record.marks,
-                             "logs_held": record.logs}
+                             "logs_held": record.logs, "log_bytes": live_rollback.log_bytes(self)}
         timeout = max(60.0, 4 * self.settings.recovery.heartbeat_timeout_s)
         # A newer generation as the watchdog saw it (on its own connection, no request here)
         return live_rollback.rendezvous_capturing_ahead(self, record.live_step, lambda: agree(

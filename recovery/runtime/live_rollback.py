@@ -111,6 +111,12 @@ def join_fields(rt: Checkpointless, newcomer: bool) -> dict:
             "sharded": rep.marks.sharded, "logs": {str(k): v for k, v in logs.items()}}
 
 
+def log_bytes(rt: Checkpointless) -> int:
+    """Host memory this rank's update logs hold (ADR 0049; the recovery event's)."""
+    rep = _replicator(rt)
+    return rep.marks.logs.nbytes() if rep is not None else 0
+
+
 def live_step(rt: Checkpointless) -> int:
     """The step this survivor can go on from without a snapshot (its join record's
     ``live_step``), or -1. Besides the marks' own rule (the large entries untouched

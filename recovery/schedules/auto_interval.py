@@ -206,14 +206,23 @@ class AutoInterval:
                                  -(MAX_INTERVAL if fits is None else fits)])  # MAX: least
         self.agree(proposal)
         n_rep, n_save, budget_bound, least = (int(x) for x in proposal.tolist())
+        capped = False
         if self.policy is not None:  # an update log longer than memory holds: replays
             self.policy.max_interval = max(1, min(MAX_INTERVAL, -least))
+            capped = 0 < self.policy.max_interval < n_rep
+            if capped:  # the memory's bound, not a cost's: in force at once
+                n_rep = self.policy.max_interval
+                if rep_local is not None:
+                    rep_local = replace(rep_local, reasons=(
+                        *rep_local.reasons, f"capped at {n_rep} steps: the update logs "
+                        "the memory budget holds (a longer interval would replay)"))
         # Decide from the intervals in force (the same on every rank, a replacement's
         # and a rolled-back rank's included), not from this rank's own history.
         rep = self.settings.replication
         if self.policy is not None and n_rep > 0:
             self.policy.current = _in_force(self.policy.current, int(rep.every_n_steps))
-            choice = self.policy.adopt(n_rep, rep_local, budget_bound=bool(budget_bound))
+            choice = self.policy.adopt(n_rep, rep_local, budget_bound=bool(budget_bound),
+                                       capped=capped)
             if choice is not None:
                 rep.every_n_steps = choice.every_n_steps
                 self._say(step, REPLICATION, choice)

@@ -302,28 +302,30 @@ class IntervalPolicy:
                                max_interval=self.max_interval, mtbf_note=self.mtbf_note)
 
     def adopt(self, every_n_steps: int, local: Choice | None = None, *,
-              budget_bound: bool | None = None) -> Choice | None:
+              budget_bound: bool | None = None, capped: bool = False) -> Choice | None:
         """Put the agreed interval in force; returns the new choice when it changed.
 
         ``local`` is this rank's proposal, whose reasons are kept (with a note when the
         agreed interval is another rank's). ``budget_bound``: agreed with the interval,
         whether any rank's proposal was its budget's (then a shortening at most halves
         the interval); every rank must pass the same, so the same interval is in force
-        everywhere. None: ``local``'s own (a single process)."""
+        everywhere. None: ``local``'s own (a single process). ``capped``: ``every_n_steps``
+        is a hard bound (the update logs memory holds, ADR 0049), in force however close."""
         self._last_eval = self._steps
         n = max(1, int(every_n_steps))
         old = self.current
         if old is not None and (n == old.every_n_steps or (
-                n < old.every_n_steps and n >= old.every_n_steps * (1 - self.hysteresis))):
+                n < old.every_n_steps and n >= old.every_n_steps * (1 - self.hysteresis)
+                and not capped)):
             return None  # longer: always taken (the budget); shorter: only if clearly
         reasons = local.reasons if local is not None else ()
-        if local is not None and local.every_n_steps != n:
+        if local is not None and local.every_n_steps != n and not capped:
             reasons = (*reasons, f"another rank measured a higher cost: every {n} steps "
                        "(the largest proposal) was agreed")
         was = old.every_n_steps if old is not None else self.probe_every
         if budget_bound is None:
             budget_bound = local is not None and local.budget_bound
-        if budget_bound and n < (half := -(-was // 2)):
+        if budget_bound and not capped and n < (half := -(-was // 2)):
             # The budget's interval comes from the cost measured at ``was``. A round whose
             # work fits in the idle time of a long interval may not fit at a much shorter
             # one (a 200 MB round every 8 steps cost nothing measurable on 2 cores; every

@@ -32,10 +32,13 @@ class PeerLogs:
         self._floor = -1  # the newest committed step known: older marks are useless
         self._lock = threading.Lock()
         self.overflows = 0
+        self._told = False
+        self._mark_bytes: dict[int, int] = {}  # per source, its newest mark's size
 
     def append(self, src: int, mark: Mark) -> None:
         """A mark of ``src`` arrived (on a receiving thread)."""
         with self._lock:
+            self._mark_bytes[src] = mark.buffer.numel()
             if mark.step <= self._floor or src in self._full:
                 return
             run = self._runs.get(src, [])
@@ -45,6 +48,12 @@ class PeerLogs:
                 self._runs.pop(src, None)
                 return
             run.append(mark)
+            if not self._told:  # what the log costs, once: the mark's size sets it
+                self._told = True
+                each = mark.buffer.numel()
+                log.info("update log: rank %d's marks are %.1f MiB a step; %.0f MiB of the "
+                         "memory budget holds %d steps of each source", src, each / 2**20,
+                         self.max_bytes / 2**20, self.max_bytes // max(1, each))
             if sum(m.buffer.numel() for m in run) > self.max_bytes:
                 self._runs.pop(src, None)
                 self._full.add(src)
@@ -86,9 +95,9 @@ class PeerLogs:
     def steps_that_fit(self) -> int | None:
         """How many marks of every source fit in :attr:`max_bytes`, less two (a run
         also holds the marks taken while the next snapshot's round commits); ``None``
-        while no run is held."""
+        until a mark arrived (one that overflowed counts)."""
         with self._lock:
-            sizes = [run[-1].buffer.numel() for run in self._runs.values() if run]
+            sizes = list(self._mark_bytes.values())
         if not sizes:
             return None
         return max(1, self.max_bytes // max(1, max(sizes)) - 2)
