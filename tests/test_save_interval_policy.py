@@ -345,4 +345,5 @@ def test_the_agreement_tensor_is_one_collective_of_two_proposals() -> None:
                                                   seen.append)
     assert ai is not None
     ai.after_step(auto_interval.AGREE_EVERY, True, None, None)
-    assert len(seen) == 1 and seen[0].tolist() == [0, 0, 0, -MAX_INTERVAL] and seen[0].dtype == torch.int64
+    assert len(seen) == 1 and seen[0].dtype == torch.int64
+    assert seen[0].tolist() == [0, 0, 0, -MAX_INTERVAL]
