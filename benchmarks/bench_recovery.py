@@ -94,6 +94,10 @@ def recovery_figures(out: Path, run_dir: Path, kill_step: int) -> dict:
         # completed steps run again: the default interval (auto) decides how many
         "steps_replayed": kill_step - 1 - target,
         "snapshot_interval_at_kill": (snaps[-1] - snaps[-2]) if len(snaps) > 1 else None,
+        # a sharded job's live rollback (ADR 0049): the newcomer's own optimizer steps
+        "optimizer_steps_replayed": (newcomer.get("transfer_parts") or {}).get(
+            "optimizer_steps_replayed", 0),
+        "live": bool(newcomer.get("live")), "live_refused": newcomer.get("live_refused", ""),
         "breakdown": {k: round(v, 4) for k, v in newcomer["timings"].items()},
         "survivor_breakdown": {
             k: round(v, 4) for k, v in next(
@@ -154,6 +158,8 @@ def measure_wrap(tmp: Path, wrap: str, worker_args: list[str], kill_step: int,
            "steps_lost": w["steps_lost"],
            "steps_replayed": w["steps_replayed"],
            "snapshot_interval_at_kill": w["snapshot_interval_at_kill"],
+           "optimizer_steps_replayed": w["optimizer_steps_replayed"],
+           "live": w["live"], "live_refused": w["live_refused"],
            "bit_identical": all(digests(r) == ref_d for r in runs),
            "baseline_bit_identical": digests(base) == ref_d,
            "breakdown_warm_newcomer": w["breakdown"],
@@ -234,6 +240,7 @@ def main() -> None:
             **{k: v for k, v in manual.items() if k != "reference_step_s"},
             "recovery_over_restart_ddp": ddp["recovery_over_restart"],
             "recovery_over_restart_fsdp2": fsdp2["recovery_over_restart"],
+            "steps_replayed_fsdp2": fsdp2["steps_replayed"],
             "ddp": ddp,
             "fsdp2": fsdp2,
             "bit_identical": all(f["bit_identical"] for f in (manual, ddp, fsdp2)),

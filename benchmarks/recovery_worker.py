@@ -116,9 +116,13 @@ class Progress:
         os.close(fd)
 
 
-def train_step(model, opt, x, reduce) -> None:
+def train_step(model, opt, x, reduce, device_s: float = 0.0) -> None:
+    """``device_s``: the host then waits that long, idle, as it would for a device
+    running the step's kernels (``bench_overhead_sharded``'s device-like steps)."""
     opt.zero_grad(set_to_none=True)
     model(x).pow(2).mean().backward()
+    if device_s:
+        time.sleep(device_s)
     reduce()
     opt.step()
 
@@ -141,12 +145,18 @@ def run_checkpointless(args, out: Path) -> None:
 
     def step_fn(step: int) -> None:
         x = batch_for(step, data_rank(rank, args.wrap), args.batch, args.width)
-        train_step(model, opt, x, reduce)
+        train_step(model, opt, x, reduce, args.device_ms / 1000)
         prog.emit(step=step)
 
     cl.run(step_fn, args.steps)
-    (out / f"final_rank{rank}.json").write_text(json.dumps({"digest": digest(model, opt),
-                                                            "step": cl.step}))
+    from recovery.runtime import live_rollback
+
+    rep = cl.replicator
+    (out / f"final_rank{rank}.json").write_text(json.dumps({
+        "digest": digest(model, opt), "step": cl.step,
+        # what the update logs (ADR 0049) hold at the end, next to the state's size
+        "log_bytes": live_rollback.log_bytes(cl),
+        "state_bytes": getattr(rep, "state_bytes_of_rank", [0] * (rank + 1))[rank]}))
 
 
 def run_dcp(args, out: Path) -> None:
@@ -212,6 +222,8 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--wrap", choices=["manual", "ddp", "fsdp2", "tp"], default="manual")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="an idle wait per step, as for a device's kernels")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -17,8 +17,14 @@ What is "large": the entries declared data-parallel (a DDP module, the model giv
 ``all_reduce_gradients``) and every optimizer all of whose parameters belong to them.
 The data-parallel modules' persistent buffers (batch norm statistics) move in every
 forward pass, so a mark holds them by value too. A job with any other module or
-optimizer entry (an FSDP2 shard, a model not declared data-parallel) has no marks: its
-recoveries take the snapshot path. So does one whose
+optimizer entry (an FSDP2 shard, a TP or pipeline stage, a model not declared
+data-parallel) gets *sharded* marks instead (ADR 0049, :func:`sharded_entries`): every
+module and optimizer is large, and the mark's small part also carries the step's
+optimizer inputs (:mod:`replication.replica_protocol.update_log`; not counted in
+:data:`MAX_MARK_BYTES`), which a holder keeps as a run since the committed step
+(:mod:`replication.replica_protocol.peer_logs`). A job whose state those inputs do
+not determine (a trainable parameter in no optimizer) has no marks: its recoveries
+take the snapshot path. So does one whose
 small part outgrows :data:`MAX_MARK_BYTES` (an EMA copy of the model registered as a
 plain object, say): capturing it at every step would cost what a snapshot does.
 """
@@ -78,16 +84,24 @@ class Mark:
         """One byte tensor: the metadata's length (8 bytes), the metadata, the bytes."""
         raw = self.meta.to_bytes()
         out = torch.empty(8 + len(raw) + self.buffer.numel(), dtype=torch.uint8)
-        out[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
-        out[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        out[8 + len(raw) :] = self.buffer
+        self.write_into(out, raw)
         return out
 
+    def write_into(self, out: torch.Tensor, raw: bytes) -> None:
+        """:meth:`to_tensor`'s bytes written into ``out`` (a message: no copy between),
+        ``raw`` being ``meta.to_bytes()``."""
+        out[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+        out[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out[8 + len(raw) : 8 + len(raw) + self.buffer.numel()] = self.buffer
+
     @staticmethod
-    def from_tensor(data: torch.Tensor) -> Mark:
+    def from_tensor(data: torch.Tensor, copy: bool = True) -> Mark:
+        """``copy=False``: the mark keeps a view of ``data`` (a received message that
+        nothing reuses)."""
         meta_len = int(data[:8].view(torch.int64).item())
         meta = SnapshotMeta.from_bytes(data[8 : 8 + meta_len].numpy().tobytes())
-        return Mark(meta.step, meta, data[8 + meta_len :].clone())
+        body = data[8 + meta_len :]
+        return Mark(meta.step, meta, body.clone() if copy else body)
 
 
 def large_entries(state: TrainingState, data_parallel: Iterable[str]) -> list[str] | None:
@@ -435,8 +449,10 @@ class MarkExchange:
         self._capacity = 0  # the size of the next message sent (0: the first is to come)
         self._posted = 0
         self._ended = 0  # sends whose wait returned (or failed), counted by the reaper
-        self._sends: queue.SimpleQueue[tuple[list, threading.Event] | None] = \
+        self._sends: queue.SimpleQueue[tuple[list, threading.Event, torch.Tensor] | None] = \
             queue.SimpleQueue()
+        self._pool: list[torch.Tensor] = []  # sent messages, reused (see _message)
+        self._pool_lock = threading.Lock()
         self._waiters = Waiters("checkpointless-marks-wait", channel.timeout)
         self._threads = [threading.Thread(target=self._receive, args=(src,), daemon=True,
                                           name=f"checkpointless-marks-{src}")
@@ -453,16 +469,17 @@ class MarkExchange:
         if self._posted - self._ended >= SENDS_IN_FLIGHT:
             self.skipped += 1
             return False
-        data = mark.to_tensor()
-        following = _capacity(_HEADER + data.numel())
+        raw = mark.meta.to_bytes()
+        nbytes = 8 + len(raw) + mark.buffer.numel()
+        following = _capacity(_HEADER + nbytes)
         if not self._capacity:
             self._capacity = min(self._first(self.rank), following)
-        fits = _HEADER + data.numel() <= self._capacity
-        msg = torch.zeros(self._capacity, dtype=torch.uint8)
-        msg[:_HEADER] = torch.tensor([mark.step if fits else -1, data.numel() if fits else 0,
+        fits = _HEADER + nbytes <= self._capacity
+        msg = self._message(self._capacity)
+        msg[:_HEADER] = torch.tensor([mark.step if fits else -1, nbytes if fits else 0,
                                       following], dtype=torch.int64).view(torch.uint8)
-        if fits:
-            msg[_HEADER : _HEADER + data.numel()] = data
+        if fits:  # straight into the message: a sharded mark is its gradient shards
+            mark.write_into(msg[_HEADER:], raw)
         works: list = []
         try:
             for h in self.holders:
@@ -472,7 +489,7 @@ class MarkExchange:
         self._capacity = following
         self._posted += 1
         sent = threading.Event()
-        self._sends.put(([*works, _Keep(msg)], sent))  # the bytes live until sent
+        self._sends.put((works, sent, msg))  # the bytes live until sent
         # A holder's receive is always posted, so the bytes leave at once; waiting for
         # that (never longer than SEND_WAIT_S) keeps a rank killed early in its next
         # step from taking this mark with it. The wait is on the reaper, not on gloo.
@@ -486,12 +503,24 @@ class MarkExchange:
         self._sends.put(None)
         self._waiters.abandon()
 
+    def _message(self, capacity: int) -> torch.Tensor:
+        """A message buffer of ``capacity`` bytes: a sent one reused (a sharded job's
+        are megabytes, and fresh pages cost more than the copy into them), or a new
+        one, zeroed (its padding then never carries stale memory)."""
+        with self._pool_lock:
+            for i, buf in enumerate(self._pool):
+                if buf.numel() == capacity:
+                    return self._pool.pop(i)
+        return torch.zeros(capacity, dtype=torch.uint8)
+
     def _reap(self) -> None:
         while (item := self._sends.get()) is not None:
-            works, sent = item
+            works, sent, msg = item
             try:
                 for w in works:
                     self._waiters.wait(w)
+                with self._pool_lock:  # sent to every holder: free for the next mark
+                    self._pool = [*self._pool[-1:], msg]
             except Exception:  # a dead holder, an abort: the recovery deals with it
                 pass
             self._ended += 1
@@ -510,20 +539,8 @@ class MarkExchange:
                 buf = torch.empty(capacity, dtype=torch.uint8)  # the next one, posted first
                 works = self.channel.post_recv(buf, src, tags.MARK_DATA, 1 << 30)
                 if step >= 0:
-                    mark = Mark.from_tensor(landed[_HEADER : _HEADER + nbytes])
+                    mark = Mark.from_tensor(landed[_HEADER : _HEADER + nbytes], copy=False)
                     if mark.step == step:
                         self.book.store_peer(src, mark)
         except Exception:  # stopped, aborted, or a malformed mark: this generation is over
             return
-
-
-class _Keep:
-    """Keeps a send's tensors alive while it is in flight; a wait on it returns at once."""
-
-    __slots__ = ("tensors",)
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.tensors = tensors
-
-    def wait(self, timeout: object = None) -> bool:
-        return True
