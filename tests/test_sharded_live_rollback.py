@@ -27,6 +27,8 @@ from recovery.schedules.auto_interval import AutoInterval
 from replication.replica_protocol.marks import Mark, MarkBook, sharded_entries
 from replication.replica_protocol.peer_logs import PeerLogs
 from replication.replica_protocol.update_log import UPDATES, UpdateRecorder, replay
+from replication.snapshots.digest_copy import verify_segments
+from replication.training_state.layout import unflatten_segment
 from replication.training_state.snapshot_meta import SnapshotMeta
 from replication.training_state.state import TrainingState
 from tests import recovery_harness as h
@@ -308,6 +310,81 @@ def test_the_marks_carry_the_updates_entry():
     _step(objs, 0)
     mark = book.capture(1)
     assert mark is not None and UPDATES in {s.name for s in mark.meta.layout.segments}
+
+
+def _grads_seen(objs: dict[str, Any], seed: int) -> list[torch.Tensor]:
+    """One step's forward and backward: the gradients its optimizer step will see."""
+    g = torch.Generator().manual_seed(seed)
+    objs["model"](torch.randn(8, 6, generator=g)).pow(2).mean().backward()
+    return [p.grad.clone() for p in objs["model"].parameters()]
+
+
+def _logged(mark: Mark) -> list[torch.Tensor]:
+    """The gradients a mark logged, decoded from its bytes as a holder receives them."""
+    held = Mark.from_tensor(mark.to_tensor())
+    verify_segments(held.buffer, held.meta)
+    seg = held.meta.layout.segment(UPDATES)
+    entry = unflatten_segment(held.buffer[seg.offset : seg.offset + seg.nbytes], seg,
+                              held.meta.skeletons[UPDATES])
+    return [g for call in entry["calls"] for g in call["grads"]]
+
+
+def test_the_recorder_copies_a_gradient_only_once_something_wrote_it_in_place():
+    """A job that zeroes its gradients by dropping them: the recorder keeps the
+    optimizer's own gradients and the mark copies them once. One that zeroes them in
+    place before the step's end: that mark is refused (the bytes the optimizer saw are
+    gone), and from the next step on the recorder copies them as it records them; the
+    marks after that log what the optimizer saw."""
+    objs = _objects(False)
+    book = MarkBook(_state(**objs))
+    book.declare(())
+    assert book.recorder is not None
+    seen = _grads_seen(objs, 0)
+    objs["optimizer"].step()
+    recorded = book.recorder.calls[0]["grads"]
+    assert [g.data_ptr() for g in recorded] == [p.grad.data_ptr()
+                                                for p in objs["model"].parameters()]
+    objs["optimizer"].zero_grad()  # set to None: the recorded tensors stay as they were
+    mark = book.capture(1)
+    assert mark is not None and mark.replayable and not book.recorder.copying
+    assert all(torch.equal(a, b) for a, b in zip(_logged(mark), seen))
+
+    _grads_seen(objs, 1)
+    objs["optimizer"].step()
+    objs["optimizer"].zero_grad(set_to_none=False)  # the recorded bytes are zeroed
+    mark = book.capture(2)
+    assert mark is not None and not mark.replayable and book.recorder.copying
+
+    seen = _grads_seen(objs, 2)
+    objs["optimizer"].step()
+    objs["optimizer"].zero_grad(set_to_none=False)
+    mark = book.capture(3)
+    assert mark is not None and mark.replayable
+    assert all(torch.equal(a, b) for a, b in zip(_logged(mark), seen))
+
+
+def test_a_mark_captured_into_its_message_is_read_back_from_it():
+    """The mark's bytes are written where its message carries them (no copy after the
+    capture), on a boundary every dtype's view needs, and the message as a holder
+    receives it gives the same mark."""
+    objs = _objects(True)
+    book = MarkBook(_state(**objs))
+    book.declare(())
+    _step(objs, 0)
+    message = torch.zeros(1 << 20, dtype=torch.uint8)
+    asked: list[int] = []
+
+    def into(n: int) -> torch.Tensor:
+        asked.append(n)
+        return message[64 : 64 + n]
+
+    mark = book.capture(1, into=into)
+    assert mark is not None and asked == [mark.to_tensor().numel()]
+    raw = mark.meta.to_bytes()
+    assert mark.lies_in(message[64:], raw) and mark.buffer.data_ptr() % 64 == 0
+    held = Mark.from_tensor(message[64 : 64 + asked[0]], copy=False)
+    assert held.meta.to_bytes() == raw and torch.equal(held.buffer, mark.buffer)
+    book.restore_small(held)  # verified against its checksums, then loaded
 
 
 # -- the memory bound forces a snapshot ---------------------------------------------------

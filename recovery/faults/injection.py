@@ -31,8 +31,12 @@ class FaultInjector:
     """Fires this rank's faults when the runtime reports reaching their phase."""
 
     def __init__(self, specs: list[FaultSpec], rank: int, store: dist.Store, log=None,
-                 committed: Callable[[], int] | None = None) -> None:
+                 committed: Callable[[], int] | None = None,
+                 settle: Callable[[], None] | None = None) -> None:
+        """``settle``: called before a kill or stop, to let what this rank has already
+        sent reach its peers (its per-step marks, which leave in the background)."""
         self.specs = [s for s in specs if s.rank == rank]
+        self.settle = settle
         self.store = store
         self.log = log
         # The committed step the log names: the runtime's (the store's record, or what
@@ -80,6 +84,12 @@ class FaultInjector:
         if spec.kind == "exception":
             raise InjectedFault(f"injected exception on rank {spec.rank} at step {spec.step} "
                                 f"({spec.phase})")
+        # A fault names a point in the step, not an instant: it comes after the marks
+        # this rank posted have left (milliseconds, bounded by the caller). A rank
+        # lost before its mark reached its holder is a case of its own (the recovery
+        # then replays: tests/test_live_rollback.py).
+        if self.settle is not None:
+            self.settle()
         if spec.kind == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return

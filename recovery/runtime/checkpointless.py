@@ -113,7 +113,8 @@ class Checkpointless:
         rec = self.settings.recovery
         fault_text = rec.fault or os.environ.get(FAULT_ENV, "")
         self.faults = FaultInjector(parse_faults(fault_text), self.rank, self.store, self.log,
-                                    committed=lambda: self.committed_step)
+                                    committed=lambda: self.committed_step,
+                                    settle=lambda: live_rollback.marks_left(self))
         self.faults.install(model, optimizer)
         # The watchdog's own connection: heartbeats never queue behind the loop's requests.
         self.watchdog = Watchdog(

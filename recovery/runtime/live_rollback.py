@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from replication.replica_protocol import marks
 from replication.replica_protocol.handover import HandoverResult
 from replication.replica_protocol.live_handover import hand_over_live
 from replication.replica_protocol.logged_handover import hand_over_logged
-from replication.replica_protocol.marks import MarkExchange
+from replication.replica_protocol.mark_exchange import MarkExchange, first_capacity
 from replication.replica_protocol.replicator import Replicator
 from replication.snapshots.slots import SnapshotSlot
 from replication.snapshots.snapshot import SnapshotEngine
@@ -76,7 +75,7 @@ def start_marks(rt: Checkpointless) -> None:
         sizes = rep.state_bytes_of_rank  # agreed by the generation: both sides' bound
         rep.mark_exchange = MarkExchange(rep.channel, rep.rank, rep.holders[rep.rank],
                                          rep.sources[rep.rank], rep.marks,
-                                         lambda r: marks.first_capacity(sizes[r]))
+                                         lambda r: first_capacity(sizes[r]))
 
 
 def mark(rt: Checkpointless, step: int) -> None:
@@ -90,8 +89,22 @@ def mark(rt: Checkpointless, step: int) -> None:
         return
     if rep.marks.at_snapshots and not _holds(rep, step):
         return  # marks of checkpoint parts: at snapshot steps only
-    if (captured := rep.marks.capture(step)) is not None and captured.replayable:
+    # Captured straight into its message: a sharded job's marks are its gradient shards.
+    captured = rep.marks.capture(step, into=rep.mark_exchange.reserve)
+    if captured is not None and captured.replayable:
         rep.mark_exchange.send(captured)  # one a holder could not replay: a gap
+
+
+MARKS_SETTLE_S = 2.0  # how long an injected fault waits for this rank's marks to leave
+
+
+def marks_left(rt: Checkpointless) -> None:
+    """Wait (at most :data:`MARKS_SETTLE_S`) for the marks this rank posted to reach
+    its holders: an injected fault names a point in a step, and a mark still on the
+    wire at that point is a matter of timing (the fault injector's ``settle``)."""
+    rep = _replicator(rt)
+    if rep is not None and rep.mark_exchange is not None:
+        rep.mark_exchange.flush(MARKS_SETTLE_S)
 
 
 def _holds(rep: Replicator, step: int) -> bool:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -48,9 +47,7 @@ from replication.replica_protocol.update_log import (
     optimized_modules,
     set_hyperparameters,
 )
-from replication.side_channel import tags
-from replication.side_channel.transport import SideChannel, TransportError
-from replication.side_channel.work_waiter import Waiters
+from replication.snapshots.checksum import DIGEST_CHARS
 from replication.snapshots.snapshot import encode_to_buffer, restore_from_buffer
 from replication.training_state.layout import flatten
 from replication.training_state.snapshot_meta import SnapshotMeta
@@ -59,10 +56,7 @@ from replication.training_state.state import TrainingState
 log = logging.getLogger("checkpointless.replication")
 
 MAX_MARK_BYTES = 4 << 20  # a larger small part makes the job's recoveries take snapshots
-SENDS_IN_FLIGHT = 8  # marks not yet taken by a holder before this rank skips one
-FIRST_CAPACITY = 64 << 10  # bytes of the first mark message (see MarkExchange)
-SEND_WAIT_S = 0.05  # the longest a step's end waits for its mark to leave
-_HEADER = 24  # step, length, next message's size: three int64
+MARK_ALIGN = 64  # a mark's bytes start on such a boundary in its tensor
 
 
 @dataclass(frozen=True)
@@ -80,19 +74,38 @@ class Mark:
         """Whether it carries its step's optimizer inputs (a sharded job's mark)."""
         return any(seg.name == UPDATES for seg in self.meta.layout.segments)
 
+    @staticmethod
+    def body_offset(meta_len: int) -> int:
+        """Where the bytes start in :meth:`to_tensor`'s: after the metadata, on a
+        64-byte boundary (every dtype's view of them needs its own alignment)."""
+        return -(-(8 + meta_len) // MARK_ALIGN) * MARK_ALIGN
+
     def to_tensor(self) -> torch.Tensor:
-        """One byte tensor: the metadata's length (8 bytes), the metadata, the bytes."""
+        """One byte tensor: the metadata's length (8 bytes), the metadata, padding to
+        :meth:`body_offset`, the bytes."""
         raw = self.meta.to_bytes()
-        out = torch.empty(8 + len(raw) + self.buffer.numel(), dtype=torch.uint8)
+        out = torch.zeros(self.body_offset(len(raw)) + self.buffer.numel(), dtype=torch.uint8)
         self.write_into(out, raw)
         return out
 
     def write_into(self, out: torch.Tensor, raw: bytes) -> None:
         """:meth:`to_tensor`'s bytes written into ``out`` (a message: no copy between),
         ``raw`` being ``meta.to_bytes()``."""
+        self.write_head(out, raw)
+        at = self.body_offset(len(raw))
+        out[at : at + self.buffer.numel()] = self.buffer
+
+    @staticmethod
+    def write_head(out: torch.Tensor, raw: bytes) -> None:
+        """The part of :meth:`to_tensor` before the bytes: the metadata's length and
+        the metadata ``raw``."""
         out[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
         out[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        out[8 + len(raw) : 8 + len(raw) + self.buffer.numel()] = self.buffer
+
+    def lies_in(self, out: torch.Tensor, raw: bytes) -> bool:
+        """Whether the bytes already are where :meth:`write_into` would put them."""
+        return self.buffer.numel() == 0 or \
+            self.buffer.data_ptr() == out.data_ptr() + self.body_offset(len(raw))
 
     @staticmethod
     def from_tensor(data: torch.Tensor, copy: bool = True) -> Mark:
@@ -100,7 +113,7 @@ class Mark:
         nothing reuses)."""
         meta_len = int(data[:8].view(torch.int64).item())
         meta = SnapshotMeta.from_bytes(data[8 : 8 + meta_len].numpy().tobytes())
-        body = data[8 + meta_len :]
+        body = data[Mark.body_offset(meta_len) :]
         return Mark(meta.step, meta, body.clone() if copy else body)
 
 
@@ -292,19 +305,36 @@ class MarkBook:
             self._small = small
             self._large_objs = [obj for name, obj in self.state if name in large]
 
-    def capture(self, step: int) -> Mark | None:
-        """Mark the end of ``step``; ``None`` when the job has no marks."""
+    def capture(self, step: int,
+                into: Callable[[int], torch.Tensor | None] | None = None) -> Mark | None:
+        """Mark the end of ``step``; ``None`` when the job has no marks. ``into(n)``:
+        where the ``n`` bytes of the mark's :meth:`Mark.to_tensor` go (its message,
+        :meth:`MarkExchange.reserve`), or ``None``: then a buffer of its own."""
         if self._small is None:
             return None
+        replayable = self.recorder.check() if self.recorder is not None else True
         flat = flatten(self._small.capture())
         small = flat.layout.nbytes - sum(seg.nbytes for seg in flat.layout.segments
                                          if seg.name == UPDATES)
         if small > MAX_MARK_BYTES:
             self._give_up(small)
             return None
-        mark = Mark(step, *encode_to_buffer(flat, step))
+        out, head = None, b""
+        if into is not None:  # the metadata's length is known before its digests are
+            head = SnapshotMeta(step, flat.layout, dict(flat.skeletons),
+                                {seg.name: "0" * DIGEST_CHARS
+                                 for seg in flat.layout.segments}).to_bytes()
+            out = into(Mark.body_offset(len(head)) + flat.layout.nbytes)
+        body = None if out is None else out[Mark.body_offset(len(head)):]
+        mark = Mark(step, *encode_to_buffer(flat, step, body))
+        if out is not None:
+            raw = mark.meta.to_bytes()
+            if len(raw) == len(head):
+                mark.write_head(out, raw)
+            else:  # cannot happen while digests have one length; never sent half-written
+                mark = dataclasses.replace(mark, buffer=mark.buffer.clone())
         if self.recorder is not None:
-            mark = dataclasses.replace(mark, replayable=not self.recorder.unreplayable)
+            mark = dataclasses.replace(mark, replayable=replayable)
             self.recorder.taken()  # copied into the mark: the next one starts empty
         self.own = mark
         self._versions = self._version_record()
@@ -396,151 +426,3 @@ class MarkBook:
         if mark is None or mark.step != step:
             raise KeyError(f"no mark of rank {src} at step {step}")
         return mark
-
-
-def _capacity(nbytes: int) -> int:
-    """The size of the message after one that carried ``nbytes``: room to grow a
-    quarter, in whole pages, and never under :data:`FIRST_CAPACITY`."""
-    return max(FIRST_CAPACITY, -(-(nbytes + nbytes // 4) // 4096) * 4096)
-
-
-def first_capacity(state_bytes: int) -> int:
-    """The receive posted for a rank's first mark message: room for a sharded job's
-    mark, whose gradients are at most the state's size (parameters and optimizer
-    state), plus the small part. Untouched pages of it cost no memory."""
-    return _capacity(state_bytes + MAX_MARK_BYTES)
-
-
-class MarkExchange:
-    """One generation's sending and receiving of marks over its side channel.
-
-    A mark travels as one message of a size both sides know in advance, so a holder
-    always has the receive for the next one posted and the bytes move in gloo's own
-    threads as soon as they are sent, whatever the holder's Python threads are doing:
-    ``[step, length, next size]`` (three int64), the mark, padding. Each message names
-    the size of the next (:func:`_capacity` of this one's); a mark that does not fit
-    is not sent, and an empty message (step -1) carries the larger size instead. The
-    first message is as large as its mark needs, up to the receive posted for it
-    (``first``): a rank decides what its marks hold (data-parallel or sharded,
-    :meth:`MarkBook.declare`) only once its job has declared its entries, which may
-    come after the exchange starts, so neither side's size may depend on that.
-
-    The training thread never blocks in gloo: it posts the sends and a daemon thread
-    waits for them (gloo's point-to-point works end only in ``wait``); the training
-    thread waits for that thread at most :data:`SEND_WAIT_S` (see :meth:`send`), and a
-    mark whose holders have not yet taken :data:`SENDS_IN_FLIGHT` earlier ones is
-    skipped (the holder keeps an older mark, and a failure then takes the snapshot
-    path). One daemon thread per
-    source receives its marks. Every wait goes through waiters that :meth:`stop`
-    releases at once (:mod:`replication.side_channel.work_waiter`), so neither an abort nor the end
-    of the job waits on a peer."""
-
-    def __init__(self, channel: SideChannel, rank: int, holders: Sequence[int],
-                 sources: Sequence[int], book: MarkBook,
-                 first: Callable[[int], int] = lambda rank: FIRST_CAPACITY) -> None:
-        """``first(rank)``: the receive posted for ``rank``'s first message, known to
-        both sides; its first message is no larger."""
-        self.channel = channel
-        self.rank = rank
-        self.holders = [h for h in holders if h != rank]
-        self.book = book
-        self.skipped = 0
-        self._first = first
-        self._capacity = 0  # the size of the next message sent (0: the first is to come)
-        self._posted = 0
-        self._ended = 0  # sends whose wait returned (or failed), counted by the reaper
-        self._sends: queue.SimpleQueue[tuple[list, threading.Event, torch.Tensor] | None] = \
-            queue.SimpleQueue()
-        self._pool: list[torch.Tensor] = []  # sent messages, reused (see _message)
-        self._pool_lock = threading.Lock()
-        self._waiters = Waiters("checkpointless-marks-wait", channel.timeout)
-        self._threads = [threading.Thread(target=self._receive, args=(src,), daemon=True,
-                                          name=f"checkpointless-marks-{src}")
-                         for src in sources if src != rank]
-        self._threads.append(threading.Thread(target=self._reap, daemon=True,
-                                              name="checkpointless-marks-sent"))
-        for t in self._threads:
-            t.start()
-
-    def send(self, mark: Mark) -> bool:
-        """Post ``mark`` to every holder; False if it was skipped (see the class)."""
-        if not self.holders:
-            return False
-        if self._posted - self._ended >= SENDS_IN_FLIGHT:
-            self.skipped += 1
-            return False
-        raw = mark.meta.to_bytes()
-        nbytes = 8 + len(raw) + mark.buffer.numel()
-        following = _capacity(_HEADER + nbytes)
-        if not self._capacity:
-            self._capacity = min(self._first(self.rank), following)
-        fits = _HEADER + nbytes <= self._capacity
-        msg = self._message(self._capacity)
-        msg[:_HEADER] = torch.tensor([mark.step if fits else -1, nbytes if fits else 0,
-                                      following], dtype=torch.int64).view(torch.uint8)
-        if fits:  # straight into the message: a sharded mark is its gradient shards
-            mark.write_into(msg[_HEADER:], raw)
-        works: list = []
-        try:
-            for h in self.holders:
-                works += self.channel.post_send(msg, h, tags.MARK_DATA, 1 << 30)
-        except TransportError:
-            return False  # the generation is ending: its recovery says what happened
-        self._capacity = following
-        self._posted += 1
-        sent = threading.Event()
-        self._sends.put((works, sent, msg))  # the bytes live until sent
-        # A holder's receive is always posted, so the bytes leave at once; waiting for
-        # that (never longer than SEND_WAIT_S) keeps a rank killed early in its next
-        # step from taking this mark with it. The wait is on the reaper, not on gloo.
-        sent.wait(SEND_WAIT_S)
-        if not fits:
-            self.skipped += 1
-        return fits
-
-    def stop(self) -> None:
-        """End the threads now (the generation is over, or the job)."""
-        self._sends.put(None)
-        self._waiters.abandon()
-
-    def _message(self, capacity: int) -> torch.Tensor:
-        """A message buffer of ``capacity`` bytes: a sent one reused (a sharded job's
-        are megabytes, and fresh pages cost more than the copy into them), or a new
-        one, zeroed (its padding then never carries stale memory)."""
-        with self._pool_lock:
-            for i, buf in enumerate(self._pool):
-                if buf.numel() == capacity:
-                    return self._pool.pop(i)
-        return torch.zeros(capacity, dtype=torch.uint8)
-
-    def _reap(self) -> None:
-        while (item := self._sends.get()) is not None:
-            works, sent, msg = item
-            try:
-                for w in works:
-                    self._waiters.wait(w)
-                with self._pool_lock:  # sent to every holder: free for the next mark
-                    self._pool = [*self._pool[-1:], msg]
-            except Exception:  # a dead holder, an abort: the recovery deals with it
-                pass
-            self._ended += 1
-            sent.set()
-
-    def _receive(self, src: int) -> None:
-        try:
-            capacity = self._first(src)
-            buf = torch.empty(capacity, dtype=torch.uint8)
-            works = self.channel.post_recv(buf, src, tags.MARK_DATA, 1 << 30)
-            while True:
-                for w in works:
-                    self._waiters.wait(w)
-                step, nbytes, capacity = (int(x) for x in buf[:_HEADER].view(torch.int64))
-                landed = buf
-                buf = torch.empty(capacity, dtype=torch.uint8)  # the next one, posted first
-                works = self.channel.post_recv(buf, src, tags.MARK_DATA, 1 << 30)
-                if step >= 0:
-                    mark = Mark.from_tensor(landed[_HEADER : _HEADER + nbytes], copy=False)
-                    if mark.step == step:
-                        self.book.store_peer(src, mark)
-        except Exception:  # stopped, aborted, or a malformed mark: this generation is over
-            return

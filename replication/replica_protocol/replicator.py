@@ -43,7 +43,8 @@ from replication.replica_protocol.commit_record import CommittedRecorder
 from replication.replica_protocol.commit_tree import SideChannelTransport, TreeCommit
 from replication.replica_protocol.drift import DriftWatch
 from replication.replica_protocol.handover import HandoverResult, Served, hand_over
-from replication.replica_protocol.marks import MarkBook, MarkExchange
+from replication.replica_protocol.mark_exchange import MarkExchange
+from replication.replica_protocol.marks import MarkBook
 from replication.replica_protocol.placement import place_replicas, sources_of
 from replication.replica_protocol.replica_tier import receive_staged
 from replication.replica_protocol.replicas import ReplicaStore
@@ -238,10 +239,9 @@ class Replicator:
                 self.factor, len(set(self.node_of_rank)),
             )
         self.sources = sources_of(self.holders)
-        # Per-step marks for a live rollback (.marks): carried over, like the snapshots;
-        # exchanged once the runtime starts an exchange (recovery.runtime.live_rollback).
+        # Per-step marks (.marks), carried over like the snapshots, and their exchange
         self.marks = (previous.marks if previous is not None else None) or MarkBook(state)
-        self.mark_exchange: MarkExchange | None = None
+        self.mark_exchange: MarkExchange | None = None  # (started by .live_rollback)
         self._inflight: Future | None = None
         self._rounds = _RoundThread()
         self.drift = DriftWatch()  # data-parallel replicas drifting apart (this generation)

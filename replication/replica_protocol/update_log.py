@@ -22,10 +22,13 @@ parameters are not all optimized, and :func:`optimized_modules` refuses it.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+log = logging.getLogger("checkpointless.replication")
 
 UPDATES = "_updates"  # the mark's entry holding the step's optimizer inputs
 
@@ -68,8 +71,14 @@ class UpdateRecorder:
     mark, plus every optimizer's hyperparameters now (a scheduler changes ``lr`` after
     the step, and a replacement must end with the value in force at the mark).
 
-    The gradients are copied into buffers kept from step to step (one set per call of
-    the step), so recording allocates nothing once the job runs."""
+    The gradients are not copied when recorded: the mark taken at the step's end
+    copies them once, into its message (``encode_to_buffer``). Until then nothing but
+    the optimizer reads them in a job that zeroes its gradients by setting them to
+    ``None`` (the default), and their version counters say whether anything wrote
+    them in place (:meth:`check`: ``zero_grad(set_to_none=False)`` before the step's
+    end, an accumulation into them). If something did, that mark cannot be replayed,
+    and from then on the recorder copies each gradient as it records it, into buffers
+    kept from step to step."""
 
     def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
         self.optimizers = dict(optimizers)
@@ -77,6 +86,8 @@ class UpdateRecorder:
         self.begun = 0  # optimizer steps begun, ever: a survivor's live state moved
         self.replaying = False
         self.unreplayable = False  # a call since the last mark cannot be replayed
+        self.copying = False  # gradients were written in place after a step: copy them
+        self._recorded: list[tuple[torch.Tensor, int]] = []  # uncopied: (gradient, version)
         self._pool: dict[tuple[str, int], list[torch.Tensor | None]] = {}
         self._handles = [opt.register_step_pre_hook(self._hook(name))
                          for name, opt in self.optimizers.items()]
@@ -90,7 +101,7 @@ class UpdateRecorder:
 
     def _record(self, name: str, opt: torch.optim.Optimizer) -> None:
         index = sum(1 for c in self.calls if c["optimizer"] == name)
-        kept = self._pool.get((name, index))
+        kept = self._pool.get((name, index)) if self.copying else None
         grads: list[torch.Tensor | None] = []
         for i, p in enumerate(_params(opt)):
             if p.grad is not None and getattr(p.grad, "placements", None) != \
@@ -100,13 +111,30 @@ class UpdateRecorder:
             buf = kept[i] if kept is not None and i < len(kept) else None
             if g is None:
                 grads.append(None)
+            elif not self.copying:
+                grads.append(g)
+                self._recorded.append((g, g._version))
             elif buf is not None and buf.shape == g.shape and buf.dtype == g.dtype \
                     and buf.device == g.device:
                 grads.append(buf.copy_(g))
             else:
                 grads.append(g.clone(memory_format=torch.contiguous_format))
-        self._pool[(name, index)] = grads
+        if self.copying:
+            self._pool[(name, index)] = grads
         self.calls.append({"optimizer": name, "hyper": _hyperparameters(opt), "grads": grads})
+
+    def check(self) -> bool:
+        """Whether the gradients recorded since the last mark are still as the
+        optimizer saw them (called just before the mark copies them). If not, the mark
+        is not replayable and the recorder copies from now on."""
+        if any(g._version != v for g, v in self._recorded):
+            self.unreplayable = True
+            if not self.copying:
+                self.copying = True
+                log.info("update log: the gradients were written in place after the "
+                         "optimizer step and before the step's end; they are copied as "
+                         "the optimizer takes them from now on")
+        return not self.unreplayable
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls,
@@ -121,6 +149,7 @@ class UpdateRecorder:
     def taken(self) -> None:
         """The calls so far went into a mark: the next mark starts empty."""
         self.calls = []
+        self._recorded = []
         self.unreplayable = False
 
     def remove(self) -> None:

@@ -24,6 +24,9 @@ def digest(t: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
 
 
+DIGEST_CHARS = len(xxhash.xxh3_128_hexdigest(b""))  # every digest's length in hex
+
+
 class Hasher:
     """Streaming digest over consecutive byte ranges; equal to :func:`digest` of the whole.
 

@@ -78,16 +78,28 @@ from replication.training_state.state import TrainingState
 log = logging.getLogger("checkpointless.replication")
 
 
-def encode_to_buffer(flat: FlatState, step: int) -> tuple[SnapshotMeta, torch.Tensor]:
-    """A flattened state's tensors copied into a fresh host buffer, with its checksummed
+def encode_to_buffer(flat: FlatState, step: int,
+                     out: torch.Tensor | None = None) -> tuple[SnapshotMeta, torch.Tensor]:
+    """A flattened state's tensors copied into a host buffer, with its checksummed
     metadata: a snapshot outside the slots (:func:`restore_from_buffer` reads it back).
     For the small, short-lived ones (a live rollback's marks); captures into slots are
-    the engine's."""
-    buf = torch.zeros(flat.layout.nbytes, dtype=torch.uint8)
-    for dst, src in zip(tensor_views(buf, flat.layout), flat.tensors):
-        dst.copy_(src)
-    return SnapshotMeta(step, flat.layout, dict(flat.skeletons),
-                        compute_digests(buf, flat.layout, flat.skeletons)), buf
+    the engine's.
+
+    ``out``: host memory of at least the layout's bytes to write into (a mark's message,
+    reused from step to step: fresh pages cost more than the copy into them); else a
+    fresh zeroed buffer. Host tensors are copied and checksummed in one pass
+    (:func:`copy_and_digest`), so a mark's gradients are read once."""
+    nbytes = flat.layout.nbytes
+    buf = torch.zeros(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
+    if all(t.device.type == "cpu" for t in flat.tensors):
+        slot = SnapshotSlot(-1, buffer=buf, layout=flat.layout,
+                            views=tensor_views(buf, flat.layout))
+        digests = copy_and_digest(slot, flat)
+    else:  # a device's tensors: copied to the host first, then hashed there
+        for dst, src in zip(tensor_views(buf, flat.layout), flat.tensors):
+            dst.copy_(src)
+        digests = compute_digests(buf, flat.layout, flat.skeletons)
+    return SnapshotMeta(step, flat.layout, dict(flat.skeletons), digests), buf
 
 
 def restore_from_buffer(state: TrainingState, buffer: torch.Tensor, meta: SnapshotMeta,
