@@ -116,7 +116,7 @@ class MarkExchange:
             self.skipped += 1
             self._release()
             return False
-        raw = mark.meta.to_bytes()
+        raw = mark.meta_bytes
         nbytes = Mark.body_offset(len(raw)) + mark.buffer.numel()
         following = _capacity(_HEADER + nbytes)
         if not self._capacity:

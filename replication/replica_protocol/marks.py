@@ -31,7 +31,7 @@ plain object, say): capturing it at every step would cost what a snapshot does.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -69,6 +69,12 @@ class Mark:
     buffer: torch.Tensor
     replayable: bool = True  # its optimizer inputs can be replayed (not sent if not)
 
+    @functools.cached_property
+    def meta_bytes(self) -> bytes:
+        """``meta.to_bytes()``, encoded once: the capture, the send and a handover
+        each need it, and a sharded mark's layout names every gradient shard."""
+        return self.meta.to_bytes()
+
     @property
     def has_updates(self) -> bool:
         """Whether it carries its step's optimizer inputs (a sharded job's mark)."""
@@ -83,7 +89,7 @@ class Mark:
     def to_tensor(self) -> torch.Tensor:
         """One byte tensor: the metadata's length (8 bytes), the metadata, padding to
         :meth:`body_offset`, the bytes."""
-        raw = self.meta.to_bytes()
+        raw = self.meta_bytes
         out = torch.zeros(self.body_offset(len(raw)) + self.buffer.numel(), dtype=torch.uint8)
         self.write_into(out, raw)
         return out
@@ -326,15 +332,14 @@ class MarkBook:
                                  for seg in flat.layout.segments}).to_bytes()
             out = into(Mark.body_offset(len(head)) + flat.layout.nbytes)
         body = None if out is None else out[Mark.body_offset(len(head)):]
-        mark = Mark(step, *encode_to_buffer(flat, step, body))
+        meta, buf = encode_to_buffer(flat, step, body)
+        mark = Mark(step, meta, buf, replayable)
         if out is not None:
-            raw = mark.meta.to_bytes()
-            if len(raw) == len(head):
-                mark.write_head(out, raw)
+            if len(mark.meta_bytes) == len(head):
+                mark.write_head(out, mark.meta_bytes)
             else:  # cannot happen while digests have one length; never sent half-written
-                mark = dataclasses.replace(mark, buffer=mark.buffer.clone())
+                mark = Mark(step, meta, buf.clone(), replayable)
         if self.recorder is not None:
-            mark = dataclasses.replace(mark, replayable=replayable)
             self.recorder.taken()  # copied into the mark: the next one starts empty
         self.own = mark
         self._versions = self._version_record()
