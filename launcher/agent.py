@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from launcher import (
     bind,
+    health_check,
     job_store,
     liveness,
     membership,
@@ -54,6 +55,7 @@ from launcher import (
 from launcher.agent_endings import Endings
 from launcher.loop_wakeup import LoopWakeup
 from launcher.node_loss import LostGroup, NodeLossHandling
+from launcher.operator_watch import OperatorWatch
 from launcher.report.record import recorded_config
 from launcher.run_args import RunArgs
 from launcher.worker_env import JobEnv
@@ -143,6 +145,7 @@ class Agent(NodeLossHandling, Endings):
         self._subreaper = False  # orphans below this agent come to it (see _start_zygote)
         self._fence_check = False  # look at this node's group ownership on the next pass
         self._fenced_out = False  # this node lost its ranks; it never takes any over
+        self.watch_ops: OperatorWatch | None = None
 
     # --- entry ----------------------------------------------------------------------
     def run(self) -> int:
@@ -159,6 +162,10 @@ class Agent(NodeLossHandling, Endings):
                 for local in range(self.args.nproc):
                     self._start_rank(self.group, local, replacement=False, restart_count=0)
             return self._loop()
+        except health_check.Unhealthy as exc:  # a spare node: it leaves, the job goes on
+            self._mark_finished()
+            self._emit(Event.AGENT_EXIT, code=exc.exit_code, why=str(exc))
+            return exc.exit_code
         except (job_store.StoreUnavailable, JoinError) as exc:
             return self._stop() if self._signal is not None else self._failed(str(exc))
         except dist.DistError as exc:
@@ -177,6 +184,8 @@ class Agent(NodeLossHandling, Endings):
                 protocol.set_fatal(self.store, f"the generation is stuck: {exc}")
             return self._failed(f"the generation is stuck: {exc}", contract.EXIT_RETRY)
         finally:
+            if self.watch_ops is not None:
+                self.watch_ops.stop()
             if self.lease is not None:
                 self.lease.stop()
             if self.heartbeat is not None:
@@ -200,6 +209,7 @@ class Agent(NodeLossHandling, Endings):
             a, self.run_dir, lambda: self._signal is not None, self._log,
             store_outage_s=self.rcfg.store_outage_s)
         self.store, port = self.job_store.store, self.job_store.port
+        self._check_health("at start")  # before it registers: an unfit node takes nothing
         self.cfg.run_dir = self.run_dir
         self.cfg.recovery.events_file = self.events.path
         self.job = JobEnv(
@@ -241,6 +251,7 @@ class Agent(NodeLossHandling, Endings):
         self._log(f"joined job {a.rdzv_id!r} ({role}, store {where}, "
                   f"run dir {self.run_dir})")
         self._log(f"listening on {self.job_store.plan.describe}")
+        self.watch_ops = OperatorWatch(self)  # metrics and stragglers
 
     def _open_link(self) -> str | None:
         """Listen for the watchers' connections (:mod:`launcher.peer_link`) on the
@@ -325,6 +336,21 @@ class Agent(NodeLossHandling, Endings):
         protocol.set_fatal(self.store, problem, node=self.node)
         return False
 
+    def _check_health(self, when: str) -> None:
+        """``recovery.health_check`` (:mod:`launcher.health_check`): an unfit spare node
+        raises :class:`health_check.Unhealthy`; an unfit training node stops the job."""
+        why = health_check.problem(self.rcfg.health_check)
+        if why is None:
+            return
+        line = f"node {self.node} failed its health check {when}: {why}"
+        self._emit(Event.HEALTH_CHECK_FAILED, when=when, problem=why)
+        self._log(line)
+        if self.args.is_spare_node:
+            self._fenced_out = True
+            raise health_check.Unhealthy(line)
+        protocol.set_fatal(self.store, f"{line}; replace the node, or start it as a "
+                           "spare node once it is fixed", node=self.node)
+
     def _job_has_begun(self) -> bool:
         """A generation after the first, or a committed step: workers have trained."""
         from replication.replica_protocol.commit import committed_step
@@ -373,6 +399,7 @@ class Agent(NodeLossHandling, Endings):
                     if not self.args.hosts_store:  # the store host stays, idle, to the end
                         return contract.EXIT_FENCED
             self._settle_lost_groups(gen)
+            self.watch_ops.tick(gen)
             timer.lap("peers")
             if self.done.all_done(self.store, idle=not self.workers):
                 return self._done()

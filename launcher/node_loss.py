@@ -32,6 +32,7 @@ and change the agent's own state (its group, workers, spares) and use its helper
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,7 @@ class NodeLossHandling:
     watch: PeerWatch
     lost_groups: dict[int, LostGroup]
     _fenced_out: bool
+    _check_health: Callable[[str], None]  # raises when this spare node is not fit
 
     # --- other nodes ----------------------------------------------------------------
     def _check_peers(self, gen: int) -> None:
@@ -130,6 +132,7 @@ class NodeLossHandling:
                 self._log(f"node {lost.lost_node} is back (its heartbeat resumed) and "
                           f"nobody took ranks {self._ranks(g)} over: they stay there")
             elif (self.group is None and not self._fenced_out
+                  and self._fit_to_take_over(g)
                   and membership.take_over(self.store, g, lost.lost_node, self.node)):
                 del self.lost_groups[g]
                 self._adopt(g, lost)
@@ -146,6 +149,12 @@ class NodeLossHandling:
                                    f"{self._ranks(g)}) and no spare node took them over" + (
                                        f"; the job cannot shrink instead: {why}"
                                        if self.rcfg.on_no_spare == "shrink" else ""))
+
+    def _fit_to_take_over(self, group: int) -> bool:
+        """The health check, again, just before this spare node takes ``group`` over: a
+        node idle for hours may have gone bad. Raises when it is not fit (it leaves)."""
+        self._check_health(f"before taking over ranks {self._ranks(group)}")
+        return True
 
     def _spare_wait_over(self, lost: LostGroup) -> bool:
         """Whether a lost group has waited long enough for a spare node: at once when the

@@ -174,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "bind", default=None, metavar="ADDRESS|all",
           help="address the job store and gloo listen on (default: loopback for a loopback "
           "endpoint, else the endpoint's address on node 0 and the route to it elsewhere)")
+    _flag(parser, "metrics-port", dest="metrics_port", type=int, default=None, metavar="PORT",
+          help="serve Prometheus metrics from this agent on PORT, bound to its own "
+          "address (recovery.metrics_port; default off)")
     _flag(parser, "on-sigterm", dest="on_sigterm", choices=("auto", "drain", "leave"),
           default="auto", help="drain: a SIGTERM stops the job once every rank persisted "
           "the newest committed step, exit 75; leave: this node leaves the job and a spare "
@@ -277,7 +280,8 @@ def _validate(
         module=ns.module,
         script=script,
         script_args=script_args,
-        overrides=tuple(overrides),
+        overrides=tuple(overrides) + ((f"recovery.metrics_port={port}",) if (
+            port := getattr(ns, "metrics_port", None)) is not None else ()),
         recipe=ns.recipe,
         run_dir=ns.run_dir,
         spares=ns.spares,

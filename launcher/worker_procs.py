@@ -312,6 +312,13 @@ class SparePool:
             self._restarts_left -= 1
         self.fill()
 
+    def idle_count(self) -> int:
+        """Spares a failed rank could be handed to now (forked on demand: the pool's size
+        while its zygote lives)."""
+        if self.forks_workers:
+            return self.size if self.zygote is not None and self.zygote.usable else 0
+        return len(self._idle)
+
     def take(self) -> Spare | None:
         """An idle spare, if any. Taking one schedules the refill; a zygote still
         importing is waited for, briefly, when none is idle, because its head start

@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = ("launcher.commands.config_cmd", "launcher.co
 COMMAND_MODULES += ("launcher.commands.ckpt_cmd",)
 COMMAND_MODULES += ("launcher.commands.chaos_cmd",)
 COMMAND_MODULES += ("launcher.commands.report_cmd",)
+COMMAND_MODULES += ("launcher.commands.status_cmd",)
 
 
 def load_commands() -> list[ModuleType]:

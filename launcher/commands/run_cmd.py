@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import sys
 from typing import NoReturn
@@ -80,6 +81,10 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     except SystemExit as exc:  # a flag after an override was bad; already reported
         return int(exc.code or 0)
     cfg = resolve_config(args)  # a ConfigError is reported by the CLI (exit 2)
+    if cfg.recovery.metrics_port and importlib.util.find_spec("prometheus_client") is None:
+        print(f"{PROG}: error: recovery.metrics_port is set but prometheus_client is not "
+              "installed: pip install 'checkpointless[metrics]'", file=sys.stderr)
+        return EXIT_USAGE
     if args.placement and args.node_rank == 0:
         print(args.placement, file=sys.stderr, flush=True)
     try:

@@ -28,6 +28,8 @@ class FailureCause(StrEnum):
 
     WORKER_EXIT = "worker_exit"  # an agent saw a worker process exit (a signal, a code)
     WORKER_HUNG = "worker_hung"  # an agent saw a worker stop touching its heartbeat file
+    #: An agent replaced a straggler with a warm spare (``recovery.stragglers: replace``).
+    STRAGGLER = "straggler"
     NODE_LOST = "node_lost"  # an agent saw a peer agent stop heartbeating
     EXCEPTION = "exception"  # a worker's own code raised (maybe a bug: see user_errors)
     PEER_FAILURE = "peer_failure"  # a worker's collective failed because a peer did
@@ -100,6 +102,9 @@ def describe(cause: Mapping[str, Any]) -> str:
                 f"launch ranks {cause.get('world')}")
     if kind == FailureCause.WORKER_HUNG:
         return f"{where} hung (no heartbeat for {cause.get('silent_s')}s)"
+    if kind == FailureCause.STRAGGLER:
+        return (f"{where} was replaced as a straggler ({cause.get('factor')}x the job's "
+                f"median step)")
     if kind == FailureCause.WORKER_EXIT:
         if cause.get("signal"):
             return f"{where} was killed by {cause['signal']}"

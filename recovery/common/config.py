@@ -102,6 +102,41 @@ class RecoveryConfig:
                           "stalls meanwhile, then goes on; past it the job stops)",
                   "min": 1.0},
     )
+    metrics_port: int = field(
+        default=0,
+        metadata={"help": "serve Prometheus metrics from each agent on this port (0: off; "
+                          "--metrics-port): goodput, generations, recoveries and their "
+                          "phases, replication, the durable tier, memory and step time. "
+                          "Workers report to their agent, so no worker opens a port",
+                  "min": 0, "max": 65535},
+    )
+    stragglers: str = field(
+        default="report",
+        metadata={"help": "a rank whose own share of the step (the time it is not waiting "
+                          "in a collective for its peers) stays over straggler_factor times "
+                          "the job's median for a whole window: 'report' it (event, metric, "
+                          "one console line), 'replace' it with a free warm spare as if it "
+                          "had failed (reported only when no spare is free), or 'off'",
+                  "choices": ["report", "replace", "off"]},
+    )
+    straggler_factor: float = field(
+        default=2.0,
+        metadata={"help": "how many times the job's median own step time a rank must take "
+                          "over a whole window to be a straggler", "min": 1.1},
+    )
+    straggler_window_steps: int = field(
+        default=50,
+        metadata={"help": "the window of straggler detection, in steps (the medians are "
+                          "taken over it)", "min": 5},
+    )
+    health_check: str = field(
+        default="",
+        metadata={"help": "a shell command each agent runs at start, and a spare node again "
+                          "before it takes over a lost node's ranks; a non-zero exit fences "
+                          "the node with the command's output in one line ('' : none). On "
+                          "CUDA hosts each local device is also checked to allocate and run "
+                          "a small kernel"},
+    )
     durable_fallback: bool = field(
         default=True,
         metadata={"help": "restart from the newest durable checkpoint when memory copies are lost"},

@@ -27,6 +27,8 @@ class Event(StrEnum):
     WORKER_HUNG = "worker_hung"
     WORKER_LATE = "worker_late"  # heartbeat silent past the timeout, the kernel shows it at work
     WORKER_DONE = "worker_done"
+    STRAGGLER = "straggler"  # a rank slower than the job's median for a whole window
+    HEALTH_CHECK_FAILED = "health_check_failed"  # recovery.health_check fenced this node
     FAILURE_DECLARED = "failure_declared"
     REPLACEMENT_ASSIGNED = "replacement_assigned"
     NODE_LOST = "node_lost"

@@ -266,7 +266,7 @@ def failure_identity(observed_gen: int, cause: dict[str, Any]) -> str | None:
     kind = cause.get("kind")
     if kind in CONSEQUENTIAL or kind is None:
         return None
-    if kind in (FailureCause.WORKER_EXIT, FailureCause.WORKER_HUNG):
+    if kind in (FailureCause.WORKER_EXIT, FailureCause.WORKER_HUNG, FailureCause.STRAGGLER):
         return f"process-{cause.get('rank')}-{cause.get('pid')}"
     if kind == FailureCause.NODE_LOST:
         return f"node-{cause.get('node')}-{cause.get('agent_pid')}"
@@ -289,9 +289,22 @@ def count_failure(store: dist.Store, observed_gen: int, cause: dict[str, Any]) -
     mine = f"{os.getpid()}-{uuid.uuid4().hex}"
     if ident is not None and auth.claim(store, f"{PREFIX}/failure_id/{ident}", mine)[0]:
         n = failures(store) + 1
-        while not auth.claim(store, failure_key(n), ident)[0]:
+        # What the failure was, for the operator's view: a generation's own cause record
+        # holds whoever declared first, often a peer that saw a collective fail.
+        record = json.dumps({"id": ident, "kind": cause.get("kind"), "rank": cause.get("rank"),
+                             "node": cause.get("node"), "gen": observed_gen + 1,
+                             "ts": cause.get("ts", time.time())}, default=str)
+        while not auth.claim(store, failure_key(n), record)[0]:
             n += 1
     return failures(store)
+
+
+def failure_record(store: dist.Store, n: int) -> dict[str, Any] | None:
+    """The ``n``-th failure (from 1): its kind, rank, node, generation and time."""
+    try:
+        return read_json(store, failure_key(n))
+    except ValueError:  # a record of an older release: its identity only
+        return {"id": auth.read(store, failure_key(n))}
 
 
 def failures(store: dist.Store) -> int:

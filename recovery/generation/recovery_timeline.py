@@ -57,3 +57,15 @@ def phases(causes: list[dict[str, Any]], noticed: float, aborted: float, planned
     out = {k: round(b - a, 6) for k, a, b in zip(PHASES, [start, *bounds[:-1]], bounds)}
     out["rendezvous_join_s"] = round(max(0.0, planned - bounds[1]), 6)
     return out
+
+
+def outcome(info: dict[str, Any]) -> dict[str, Any]:
+    """The part of a recovery event an operator's status view shows: the cause, when it
+    struck, how long the recovery took and where training went on from."""
+    timings = info.get("timings") or {}
+    cause = info.get("cause") or {}
+    return {"kind": cause.get("kind"), "rank": cause.get("rank"), "node": cause.get("node"),
+            "fault_at": info.get("fault_at"), "recovered_at": info.get("recovered_at"),
+            "recovery_s": round(sum(float(timings.get(p) or 0.0) for p in PHASES), 3),
+            "target_step": info.get("target_step"), "live": bool(info.get("live")),
+            "newcomers": info.get("newcomers")}

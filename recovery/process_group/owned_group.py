@@ -59,6 +59,7 @@ from torch._C._distributed_c10d import (
 )
 
 from recovery.common.errors import CollectiveAborted
+from recovery.process_group.inflight_clock import CLOCK
 from recovery.process_group.ordered_sum import (
     LANE_SUFFIX,
     SerialLane,
@@ -191,6 +192,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._failure = reason
             pending, self._pending = list(self._pending), set()
             inner, self._inner = list(self._inner.values()), {}
+            CLOCK.end(len(pending))
         error = CollectiveAborted(f"checkpointless: collective aborted: {reason}")
         for op in pending:
             op.finish(error=error)
@@ -227,6 +229,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             if failure is None and inner is not None:
                 op = _Op(devices)
                 self._pending.add(op)
+                CLOCK.begin()
                 return op, inner
         if failure is not None:
             raise CollectiveAborted(f"checkpointless: collective aborted: {failure}")
@@ -295,7 +298,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def _drop(self, op: _Op) -> None:
         with self._lock:
-            self._pending.discard(op)
+            if op in self._pending:
+                self._pending.discard(op)
+                CLOCK.end()
 
     # -- collectives (names and arguments as torch's ProcessGroup calls them) ----------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -572,6 +577,7 @@ class ElasticProcessGroup(dist.ProcessGroup):
             self._failure = "the process group was destroyed"
             pending, self._pending = list(self._pending), set()
             inner, self._inner = list(self._inner.values()), {}
+            CLOCK.end(len(pending))
         if pending:
             self._fail("the process group was destroyed")
         for i in inner:

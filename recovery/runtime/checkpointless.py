@@ -39,12 +39,13 @@ from recovery.faults.injection import FaultInjector
 from recovery.faults.spec import FAULT_ENV, parse_faults
 from recovery.generation import fencing, protocol, recovery_timeline, rendezvous, world
 from recovery.generation.rendezvous import FRESH_START, GenerationChanged, RecoveryPlan, agree
+from recovery.generation.status_records import record_recovered
 from recovery.job_store import auth
 from recovery.loader import loader_position
 from recovery.process_group import controller, ddp_layout, device_placement, training_groups
 from recovery.recipe import CheckpointlessConfig, worker_config
 from recovery.resize import world_resize
-from recovery.runtime import drain, gradient_average, live_rollback
+from recovery.runtime import drain, gradient_average, live_rollback, progress_report
 from recovery.runtime.epoch_loop import EpochLoop
 from recovery.runtime.watchdog import Watchdog
 from recovery.schedules.auto_interval import AutoInterval
@@ -125,6 +126,7 @@ class Checkpointless:
             blocking=self.env.launched,
         )
         controller.controller().should_abort = lambda: self.watchdog.failure_pending
+        self.progress = progress_report.attach(self)  # what the agent's metrics read
         self.gen = protocol.current_generation(self.store)
         self._created_group = False  # True: the runtime made the default group, not the script
         self.replicator: Replicator | None = None
@@ -340,6 +342,8 @@ class Checkpointless:
         assert self.replicator is not None
         user_errors.mark_first_step_done()
         self._completed = max(self._completed, step)
+        if self.progress is not None:
+            self.progress.step_done(step)
         # A slot the durable writer still reads is held (see DurableTier.persist_committed): the
         # capture below takes another slot, or waits only if it must reuse that one.
         capture = self.replicator.snapshot_due(step) if snapshot is None else snapshot
@@ -534,6 +538,8 @@ class Checkpointless:
                 "recovered_at": t_done}
         info["weighted_modules"] = world_resize.after_restore(self, plan.target_step)
         self.log.emit(Event.RECOVERY, rank=self.rank, **info)
+        if self.rank == 0:  # for `checkpointless status`: what the incident cost
+            record_recovered(self.store, gen, **recovery_timeline.outcome(info))
         self._resumed_from = info
         self.step = plan.target_step
         return plan.target_step

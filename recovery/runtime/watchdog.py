@@ -65,6 +65,8 @@ class Watchdog:
                                         daemon=True)
         self.blocking = blocking
         self._lock = threading.Lock()
+        #: Called after each heartbeat, on this thread (the rank's progress report).
+        self.on_beat: Callable[[], None] | None = None
 
     def start(self, generation: int) -> None:
         self.generation = self._seen = generation
@@ -98,6 +100,8 @@ class Watchdog:
             if now - last_beat >= self.heartbeat_interval_s:
                 self.beat()
                 last_beat = now
+                if self.on_beat is not None:
+                    self.on_beat()
                 self.stop_requested = self.stop_requested or drain_requested(self.heartbeat_file)
             if not self.blocking:
                 self._read_generation()

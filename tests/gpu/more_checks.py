@@ -236,3 +236,12 @@ def check_lightning_gpu_kill(accelerator: str = "gpu") -> dict[str, Any]:
     assert survivor["params_after_restore"] == survivor["params_at_failure"]
     assert [got[r]["digest"] for r in (0, 1)] == [ref[r]["digest"] for r in (0, 1)]
     return {"resumed_devices": survivor.get("resumed_devices"), "steps": survivor["step"]}
+
+
+def check_cuda_health_probe() -> dict[str, Any]:
+    """The agent's built-in device check (``launcher.health_check``) passes on a good
+    card, run as the agent runs it: in a child process."""
+    from launcher import health_check
+
+    ok = health_check.problem("", cuda=True)
+    return {"ok": ok is None, "problem": ok, "driver_seen": health_check.has_cuda_devices()}

@@ -209,6 +209,7 @@ CHECKS: list[tuple[str, Check, float]] = [
     ("nccl_generation_cycle", more_checks.check_nccl_generation_cycle, 60),
     ("launcher_kill_two_workers", check_launcher_kill, 200),
     ("lightning_gpu_kill", more_checks.check_lightning_gpu_kill, 150),
+    ("cuda_health_probe", more_checks.check_cuda_health_probe, 60),
 ]
 
 
