@@ -306,6 +306,20 @@ BENCHES = {
                 "the commit stalled at step 541, and the job stopped when a run of "
                 "failures left no copy of it.",
     },
+    "bench_metrics": {
+        "title": "What the operator's view costs the step (metrics, status, stragglers)",
+        "accept": {"metrics_cost_over_step": ("<=", 0.005)},
+        "note": "The training thread's part (the progress report's end-of-step record and "
+                "the in-flight clock around each collective, timed in a tight loop and "
+                "multiplied by what one step of a real job does: a 2-layer GPT under DDP, "
+                "1 node x 2 ranks, with `--metrics-port`) over that job's step time, plus "
+                "the watchdog thread's progress write per heartbeat and the agent's "
+                "scrape, scraped once a second (15x Prometheus's default), as if both fell "
+                "on the step: an upper bound. The part on the step itself is "
+                "`train_thread_cost_over_step`. Not captured: an agent with hundreds of "
+                "ranks (a scrape reads one file per rank), a GPU (NCCL completes its "
+                "futures at enqueue, so the in-flight clock sees the host side only).",
+    },
     "bench_overhead_sharded": {
         "title": "The update log's always-on cost for an FSDP2 job",
         "accept": {"log_overhead_cpu": ("<=", 0.05), "log_overhead_device": ("<=", 0.03)},
