@@ -72,6 +72,9 @@ ZYGOTE_MODULE = "launcher.zygote"
 #: The script's modules for a zygote started as a new interpreter (JSON list; removed
 #: from its environment before anything runs: its forks never see it).
 PRELOAD_ENV = "CHECKPOINTLESS_INTERNAL_ZYGOTE_PRELOAD"
+#: The first entry of a worker's ``sys.path`` (the script's directory), which the
+#: zygote imports the script's modules with (see :func:`_preload_as_a_worker`).
+PRELOAD_PATH_ENV = "CHECKPOINTLESS_INTERNAL_ZYGOTE_PRELOAD_PATH"
 REPLY_TIMEOUT_S = 10.0
 
 
@@ -174,11 +177,14 @@ class Zygote:
         self.failed: str | None = None
         self.last_fork_s = 0.0  # how long the last fork request took (reported)
 
-    def start(self, preload: list[str] | tuple[str, ...] = ()) -> None:
+    def start(self, preload: list[str] | tuple[str, ...] = (), path0: str | None = None) -> None:
         """Start the zygote as a new interpreter; it imports ``preload`` (the script's
-        modules, :mod:`launcher.preload`) before it is ready."""
+        modules, :mod:`launcher.preload`) before it is ready, with ``path0`` first on
+        ``sys.path`` as a worker has it."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**self._env, PRELOAD_ENV: json.dumps(list(preload))} if preload else self._env
+        if preload and path0 is not None:
+            env = {**env, PRELOAD_PATH_ENV: path0}
         try:
             with sigint_held():  # until main() ignores it
                 self.proc = subprocess.Popen(
@@ -220,7 +226,8 @@ class Zygote:
 
     def configure(self, env: Mapping[str, str], emit: Callable[..., object],
                   warm: tuple[str, ...] = (), preload: list[str] | tuple[str, ...] = (),
-                  log: Callable[[str], None] | None = None) -> None:
+                  log: Callable[[str], None] | None = None,
+                  path0: str | None = None) -> None:
         """Give a zygote from :meth:`fork_early` the job's environment, the agent's
         event log and console, and the modules to import before the first fork
         (``warm``: the frameworks, see :mod:`launcher.script_imports`; ``preload``: the
@@ -230,7 +237,7 @@ class Zygote:
         try:
             assert self._sock is not None
             self._sock.send(json.dumps({"env": self._env, "warm": list(warm),
-                                        "preload": list(preload)}).encode())
+                                        "preload": list(preload), "path0": path0}).encode())
         except OSError as exc:
             self._fail(f"could not configure the forked zygote: {exc}")
             return
@@ -437,7 +444,7 @@ def run_forked(fd: int) -> int:
         os._exit(0)  # the agent ended before it needed a zygote
     msg = json.loads(data)
     env, warm = msg["env"], tuple(msg.get("warm", ()))
-    preload = list(msg.get("preload", ()))
+    preload, path0 = list(msg.get("preload", ())), msg.get("path0")
     os.environ.clear()
     os.environ.update(env)
     _stay_cuda_free()
@@ -447,7 +454,7 @@ def run_forked(fd: int) -> int:
     # sets 1 for several workers per node, as torchrun does) is applied here instead.
     threads = env.get("OMP_NUM_THREADS", "")
     return _warm_and_serve(sock, int(threads) if threads.isdigit() and int(threads) > 0
-                           else torch.get_num_threads(), warm, preload)
+                           else torch.get_num_threads(), warm, preload, path0)
 
 
 def main(argv: list[str]) -> int:
@@ -457,15 +464,34 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
     preload = json.loads(os.environ.pop(PRELOAD_ENV, "[]"))
+    path0 = os.environ.pop(PRELOAD_PATH_ENV, None)
     _stay_cuda_free()  # before torch is imported
     import torch
 
-    return _warm_and_serve(sock, torch.get_num_threads(), (), preload)
+    return _warm_and_serve(sock, torch.get_num_threads(), (), preload, path0)
+
+
+def _preload_as_a_worker(names: list[str], path0: str | None) -> dict[str, Any]:
+    """Import the script's modules (:mod:`launcher.preload`) with the worker's first
+    ``sys.path`` entry, the script's directory, in place of the zygote's own (the
+    agent's working directory). Otherwise a module that only the agent's directory
+    reaches is preloaded into every forked worker, and missing in a worker started as
+    a new interpreter (a zygote not yet ready, ``--no-zygote``): the same script then
+    runs or fails with ``ModuleNotFoundError`` depending on how its process started."""
+    from launcher.preload import preload as preload_modules
+
+    saved = sys.path[0] if sys.path else None
+    if path0 is not None and saved is not None:
+        sys.path[0] = path0
+    try:
+        return preload_modules(names).as_message()
+    finally:
+        if saved is not None:
+            sys.path[0] = saved
 
 
 def _warm_and_serve(sock: socket.socket, threads: int, warm: tuple[str, ...] = (),
-                    preload: list[str] | None = None) -> int:
-    from launcher.preload import preload as preload_modules
+                    preload: list[str] | None = None, path0: str | None = None) -> int:
     from launcher.spare import warm_up
 
     # At the job's priority throughout: the zygote must be warm by the first failure,
@@ -485,7 +511,7 @@ def _warm_and_serve(sock: socket.socket, threads: int, warm: tuple[str, ...] = (
     warm_up(warm)
     # The script's own imports, each checked in a forked probe first (launcher.preload):
     # still with one intra-op thread, so the probes fork a process without a pool.
-    report = preload_modules(preload).as_message() if preload else {}
+    report = _preload_as_a_worker(preload, path0) if preload else {}
     torch.set_num_threads(threads)
     _freeze_heap()
     try:

@@ -10,6 +10,7 @@ interpreter.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 
 from launcher import reaper, script_imports
@@ -44,10 +45,11 @@ def start_zygote(
     if early is not None:  # forked from the agent: it only needs the job's environment
         # for the first workers (ADR 0029)
         warm = script_imports.frameworks_to_warm(args.script, args.module)
-        early.configure(env, emit, warm, preload=preload_list(args), log=log)
+        early.configure(env, emit, warm, preload=preload_list(args), log=log,
+                        path0=worker_path0(args))
         return early
     zygote = Zygote(env, emit, log=log)
-    zygote.start(preload=preload_list(args))
+    zygote.start(preload=preload_list(args), path0=worker_path0(args))
     return zygote
 
 
@@ -57,3 +59,11 @@ def preload_list(args: RunArgs) -> list[str]:
     away."""
     return script_imports.modules_to_preload(args.script, args.module, args.preload,
                                              args.no_preload)
+
+
+def worker_path0(args: RunArgs) -> str | None:
+    """The first entry of a worker's ``sys.path``: the script's directory, as
+    ``python script.py`` has it (``-m``: the working directory, as the zygote has it)."""
+    if args.module:
+        return None
+    return os.path.dirname(os.path.realpath(args.script))

@@ -9,6 +9,7 @@ failure-free run of the same job.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +76,20 @@ def test_node_0_lost_spare_node_takes_over(tmp_path, cluster, reference):
     assert [(e["node"], e["group"]) for e in takeover] == [(2, 0)], takeover
     started = {e["rank"] for e in job.events("worker_start") if e["node"] == 2}
     assert started == {0, 1}, "the spare node must run node 0's ranks"
+    # `checkpointless status` reads the same records from etcd, after the job ended
+    store = job.events("agent_start")[0]["store"]  # etcd://H:P,.../JOB?patience=...
+    job_id = store.rsplit("/", 1)[1].split("?")[0]
+    shown = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "status", "--rdzv-backend", "etcd",
+         "--rdzv-endpoint", ",".join(cluster.endpoints), "--rdzv-id", job_id, "--json"],
+        cwd=REPO, env={**clean_env(), "CHECKPOINTLESS_JOB_SECRET": TEST_JOB_SECRET},
+        capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    states = {n["node"]: n["state"] for n in status["nodes"]}
+    assert states == {0: "fenced", 1: "finished", 2: "finished"}, states
+    assert status["incidents"][0]["cause"] == "node_lost"
+    assert status["incidents"][0]["where"] == "node 0"
 
 
 def test_an_etcd_member_lost_mid_run_changes_nothing(tmp_path, cluster, reference):

@@ -28,6 +28,12 @@ FAST = ("recovery.heartbeat_timeout_s=5", "recovery.heartbeat_interval_s=0.2",
         "recovery.on_no_spare=stop")
 
 
+def _env() -> dict[str, str]:
+    """The script imports ``examples.gpt``: the checkout goes on its path, as for
+    ``python examples/...`` run from it (a worker's path has the script's directory only)."""
+    return {**clean_env(), "PYTHONPATH": str(REPO)}
+
+
 @pytest.fixture
 def agents(tmp_path):
     group = Agents(tmp_path)
@@ -52,7 +58,7 @@ def test_a_failing_health_check_fences_a_spare_node_before_it_takes_ranks(agents
             "--nnodes", "2", "--nproc_per_node", "2", "--node-rank", str(rank),
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "health", "--run-dir",
             str(run_dir), *FAST, *extra, str(SCRIPT), "--steps", "80", "--step-sleep",
-            "0.05", "--hold", str(hold))
+            "0.05", "--hold", str(hold), env=_env())
 
     node0, node1 = node(0), node(1)
     # Fit at start, unfit by the time it is needed: the check runs again before a takeover.
@@ -71,7 +77,7 @@ def test_a_failing_health_check_fences_a_spare_node_before_it_takes_ranks(agents
     wait_for(lambda: events(run_dir, "node_takeover"), 60, "a takeover")
     [takeover] = events(run_dir, "node_takeover")
     assert takeover["node"] == 3 and takeover["ranks"] == [2, 3]
-    wait_for(lambda: all((run_dir / f"final_rank{r}.json").exists() for r in range(4)), 120,
+    wait_for(lambda: all((run_dir / f"final_rank{r}.json").exists() for r in range(4)), 180,
              "every rank to finish training")
     shown = _status(port, "health", run_dir)
     states = {n["node"]: (n["state"], n["ranks"]) for n in shown["nodes"]}
@@ -86,7 +92,7 @@ def test_a_failing_health_check_fences_a_spare_node_before_it_takes_ranks(agents
 def test_a_training_node_that_fails_its_check_at_start_stops_the_job(agents, tmp_path):
     agent = agents.start("--standalone", "--nproc_per_node", "1", "--run-dir",
                          str(tmp_path / "run"), "recovery.health_check=echo no GPU here; exit 3",
-                         str(SCRIPT), "--steps", "3")
+                         str(SCRIPT), "--steps", "3", env=_env())
     code = agents.wait(agent, 60)
     log = agents.log(agent)
     assert code != 0, log

@@ -43,6 +43,12 @@ FAST = ("recovery.heartbeat_timeout_s=5", "recovery.heartbeat_interval_s=0.2",
         "recovery.straggler_window_steps=10")
 
 
+def _env() -> dict[str, str]:
+    """The script imports ``examples.gpt``: the checkout goes on its path, as for
+    ``python examples/...`` run from it (a worker's path has the script's directory only)."""
+    return {**clean_env(), "PYTHONPATH": str(REPO)}
+
+
 @pytest.fixture
 def agents(tmp_path):
     group = Agents(tmp_path)
@@ -71,7 +77,8 @@ def test_prometheus_scrapes_a_two_node_job_through_a_kill(agents, tmp_path):
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", JOB, "--spares", "1",
             "--run-dir", str(run_dir), "--metrics-port", str(metric_ports[node]), *FAST,
             f"persistence.path={tmp_path / 'ckpt'}", "persistence.every_n_steps=10",
-            str(SCRIPT), "--steps", str(STEPS), "--step-sleep", "0.1", "--hold", str(hold))
+            str(SCRIPT), "--steps", str(STEPS), "--step-sleep", "0.1", "--hold", str(hold),
+            env=_env())
     prom = Prometheus(tmp_path / "prom", [f"127.0.0.1:{p}" for p in metric_ports])
     try:
         wait_for(lambda: any(int(e["step"]) >= 15 for e in events(run_dir, "step")), 120,
@@ -81,10 +88,11 @@ def test_prometheus_scrapes_a_two_node_job_through_a_kill(agents, tmp_path):
                  120, "every rank to finish training")
         selector = f'{{job_id="{JOB}"}}'
 
-        def final_scrape() -> bool:  # both nodes at the last step, durable saves seen
-            at_end = prom.query(f"checkpointless_step{selector} == {STEPS}")
-            saved = prom.query(f"checkpointless_durable_last_save_ok{selector}")
-            return len(at_end) == 2 and len(saved) == 4
+        def final_scrape() -> bool:  # both nodes at the last step, durable saves seen,
+            at_end = prom.query(f"checkpointless_step{selector} == {STEPS}")  # the store's
+            saved = prom.query(f"checkpointless_durable_last_save_ok{selector}")  # figures
+            recovered = prom.query(f"checkpointless_recoveries_total{selector} > 0")  # (5 s)
+            return len(at_end) == 2 and len(saved) == 4 and len(recovered) == 2
 
         wait_for(final_scrape, 60, "Prometheus to scrape the final figures")
         expected, newest = _goodput_from_events(run_dir)

@@ -230,3 +230,27 @@ def test_a_bad_module_name_is_one_line(tmp_path, flag, value, message) -> None:
                           text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("zygote", [True, False])
+def test_a_module_only_the_agents_directory_reaches_fails_the_same_way_forked_or_not(
+        tmp_path, zygote: bool) -> None:
+    """``python scripts/train.py`` puts ``scripts/`` first on ``sys.path``, never the
+    working directory. A module found only there (beside the agent, not beside the
+    script) must not be preloaded by the zygote, whose own path has the working
+    directory: a forked worker would then import it and a worker started as a new
+    interpreter (no zygote, or one not ready yet) would not. Both fail alike, with the
+    worker's own ``ModuleNotFoundError``, as under torchrun."""
+    work = tmp_path / "work"
+    (work / "scripts").mkdir(parents=True)
+    (work / "cwd_only.py").write_text("VALUE = 1\n")
+    (work / "scripts" / "train.py").write_text("import cwd_only\nprint(cwd_only.VALUE)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "run", "--standalone", "--nproc-per-node", "1",
+         *([] if zygote else ["--no-zygote"]), "--run-dir", str(tmp_path / "run"),
+         "scripts/train.py"], cwd=work, env=clean_env(), capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "No module named 'cwd_only'" in done.stdout + done.stderr, done.stdout + done.stderr
+    ready = events(tmp_path / "run", "zygote_ready")
+    assert all("cwd_only" not in r.get("preloaded", []) for r in ready)

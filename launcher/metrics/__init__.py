@@ -4,7 +4,7 @@ Each agent serves ``/metrics`` on ``--metrics-port`` (``recovery.metrics_port``;
 default), bound to the agent's own address. Nothing here runs on a training thread:
 
 - :mod:`.job_facts`: what the job store says (generation, committed step, failures and
-  their causes), refreshed by the agent's loop about once a second;
+  their causes), refreshed by the agent's loop every 5 s;
 - :mod:`.node_progress`: what this node's ranks report in their progress files
   (``recovery.runtime.progress_report``), read when scraped, folded into goodput;
 - :mod:`.recovery_events`: this node's ranks' ``recovery`` and ``straggler`` events,

@@ -3,7 +3,7 @@
 The agent's loop hands over what only it may read (the job store's facts, its workers
 and spares) through :meth:`AgentMetrics.tick`; the scrape thread reads the progress
 files and the events file itself. A scrape never touches the store and never blocks
-the loop: the loop's part is a few plain assignments and, once a second, the store
+the loop: the loop's part is a few plain assignments and, every 5 s, the store
 reads of :class:`~launcher.metrics.job_facts.JobFacts`.
 
 Every metric carries ``job_id`` (``job`` is Prometheus's own label, the scrape job);

@@ -16,13 +16,14 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any
 
+from recovery.common.events import Event
 from recovery.generation.recovery_timeline import PHASES
 
 #: Histogram bucket bounds of recovery phases, in seconds (a warm-spare recovery takes
 #: a fraction of a second, a node loss with a spare node seconds, a durable fallback
 #: longer).
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_MARKER = b'"event": "recovery"'
+_MARKER = f'"event": "{Event.RECOVERY}"'.encode()  # as EventLog writes it
 
 
 class PhaseHistogram:
@@ -88,7 +89,7 @@ class RecoveryEvents:
             event = json.loads(line)
         except ValueError:
             return
-        if event.get("event") != "recovery" or event.get("source") not in mine:
+        if event.get("event") != Event.RECOVERY or event.get("source") not in mine:
             return
         timings = event.get("timings") or {}
         for phase in PHASES:
