@@ -13,7 +13,7 @@ Node states:
 - ``training``: it owns a node group (its ranks run there) and no loss of it is known;
 - ``spare``: it owns none and waits to take a lost node's ranks;
 - ``lost``: a loss of it was published and it still owns its group (a takeover or a
-  shrink is under way, or it came back before one);
+  shrink is under way, or it came back before one), or it was a spare node;
 - ``fenced``: it was declared lost and its ranks run elsewhere (or the job shrank);
 - ``finished``: its agent saw the job end (or left it, as an unfit spare does).
 """
@@ -114,7 +114,7 @@ def read(store: dist.Store, job_id: str, where: str) -> JobStatus:
         if protocol.agent_finished(store, n):
             state = "finished"
         elif n in lost:
-            state = "lost" if owned else ("spare-lost" if info.get("spare") else "fenced")
+            state = "lost" if owned or info.get("spare") else "fenced"
         else:
             state = "training" if owned else "spare"
         progress = protocol.read_json(store, status_records.node_progress_key(n)) or {}

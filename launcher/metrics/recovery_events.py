@@ -24,6 +24,7 @@ from recovery.generation.recovery_timeline import PHASES
 #: longer).
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _MARKER = f'"event": "{Event.RECOVERY}"'.encode()  # as EventLog writes it
+CHUNK_BYTES = 4 << 20
 
 
 class PhaseHistogram:
@@ -66,23 +67,25 @@ class RecoveryEvents:
         self.last: dict[str, Any] | None = None
 
     def read(self) -> None:
-        """Fold in what was appended since the last read (never raises)."""
+        """Fold in what was appended since the last read, a chunk at a time (an agent
+        that starts late in a long run's shared file reads it once, never all at once
+        into memory). Never raises."""
         with self._lock:
+            mine = {f"rank{r}" for r in self.ranks()}
             try:
                 with open(self.path, "rb") as f:
                     if os.fstat(f.fileno()).st_size < self._offset:  # a new file
                         self._offset, self._partial = 0, b""
                     f.seek(self._offset)
-                    chunk = f.read()
+                    while chunk := f.read(CHUNK_BYTES):
+                        self._offset += len(chunk)
+                        lines = (self._partial + chunk).split(b"\n")
+                        self._partial = lines.pop()
+                        for line in lines:
+                            if _MARKER in line:
+                                self._fold(line, mine)
             except OSError:
                 return
-            self._offset += len(chunk)
-            lines = (self._partial + chunk).split(b"\n")
-            self._partial = lines.pop()
-            mine = {f"rank{r}" for r in self.ranks()}
-            for line in lines:
-                if _MARKER in line:
-                    self._fold(line, mine)
 
     def _fold(self, line: bytes, mine: set[str]) -> None:
         try:
