@@ -71,13 +71,17 @@ def step_seconds(out: Path) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one job per side and kind, < 2 min")
-    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--quick", action="store_true",
+                    help="one job per side and kind, a quarter of the state and half the "
+                    "device wait, 20 timed steps: < 2 min, a smoke test of the figures")
+    ap.add_argument("--width", type=int, default=None, help="default 1024 (quick: 512)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--device-ms", type=float, default=300.0)
+    ap.add_argument("--device-ms", type=float, default=None, help="default 300 (quick: 150)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     a = ap.parse_args()
-    steps, repeats = (100, 1) if a.quick else (200, 2)
+    a.width = a.width or (512 if a.quick else 1024)
+    a.device_ms = a.device_ms if a.device_ms is not None else (150.0 if a.quick else 300.0)
+    steps, repeats = (FIRST_TIMED + 20, 1) if a.quick else (200, 2)
     tmp = Path(tempfile.mkdtemp(prefix="bench_overhead_sharded_"))
     t0 = time.perf_counter()
     result: dict = {"quick": a.quick, "steps": steps, "width": a.width, "layers": a.layers,
