@@ -222,7 +222,7 @@ HANDSHAKE_S = 10.0
 
 def connect_store(
     host: str, port: int, timeout_s: float, should_stop: Callable[[], bool] = lambda: False,
-    say: Callable[[str], None] = lambda _m: None,
+    say: Callable[[str], None] = lambda _m: None, capture_log: bool = True,
 ) -> dist.TCPStore:
     """Connect as a client, waiting up to ``timeout_s`` for node 0 to start its store.
 
@@ -233,6 +233,11 @@ def connect_store(
     else listening on the port (another service, a stale process) can leave it blocked
     in a native receive that no signal interrupts; this thread gives up on it after
     :data:`HANDSHAKE_S` with a line naming the likely cause, or at once on a signal.
+
+    ``capture_log=False``: leave fd 2 alone. The capture redirects the whole process's
+    stderr, so only a connect made while no other thread writes may use it: the
+    heartbeat thread's own connection, made while the agent's loop starts and prints
+    its first lines, once swallowed them (the "joined job" line and a storage warning).
     """
     where = f"{host}:{port}"
     start = time.monotonic()
@@ -251,10 +256,11 @@ def connect_store(
                 f"{now - start:.0f}s of {timeout_s:.0f}s")
             next_report = now + WAIT_REPORT_S
         time.sleep(0.2)
-    return _handshake(host, port, should_stop)
+    return _handshake(host, port, should_stop, capture_log)
 
 
-def _handshake(host: str, port: int, should_stop: Callable[[], bool]) -> dist.TCPStore:
+def _handshake(host: str, port: int, should_stop: Callable[[], bool],
+               capture_log: bool = True) -> dist.TCPStore:
     where = f"{host}:{port}"
     box: dict[str, object] = {}
 
@@ -267,7 +273,7 @@ def _handshake(host: str, port: int, should_stop: Callable[[], bool]) -> dist.TC
 
     hint = ("is another service listening on that port? (--rdzv-endpoint must name the "
             "port of the node-rank 0 agent)")
-    with _c10d_log_captured() as log_so_far:
+    with _c10d_log_captured() if capture_log else _not_captured() as log_so_far:
         helper = threading.Thread(target=connect, name="checkpointless-store-connect",
                                   daemon=True)
         helper.start()
@@ -303,12 +309,18 @@ def _handshake_refusal(log: str) -> str | None:
 
 
 @contextlib.contextmanager
+def _not_captured():
+    """What :func:`_c10d_log_captured` yields, with nothing captured."""
+    yield lambda: ""
+
+
+@contextlib.contextmanager
 def _c10d_log_captured():
     """Send this process's stderr (fd 2) to a temporary file while c10d connects.
 
     c10d prints every retry of a failed handshake with a 25-frame C++ stack trace,
-    straight to fd 2, for up to its whole timeout. Only this agent's start-up runs then
-    (no worker, no other thread yet), so nothing else is hidden. Yields a function
+    straight to fd 2, for up to its whole timeout. Only the agent's first connect uses
+    it (no worker and no other thread yet), so nothing else is hidden. Yields a function
     that returns what was captured so far.
     """
     import tempfile

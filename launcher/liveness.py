@@ -74,7 +74,9 @@ class Heartbeat(threading.Thread):
             if self._addr.is_etcd:
                 store = store_address.connect(self._addr, OP_TIMEOUT_S)
             else:
-                store = connect_store(*self._addr.endpoints[0], timeout_s=OP_TIMEOUT_S)
+                # not capturing fd 2: the main thread is printing meanwhile
+                store = connect_store(*self._addr.endpoints[0], timeout_s=OP_TIMEOUT_S,
+                                      capture_log=False)
             lease = self._grant(store)
             seq = 0
             last = time.monotonic()

@@ -190,3 +190,33 @@ def test_a_signal_stops_the_join_at_once(sig, where):
     assert took < 3.0, f"took {took:.1f}s to stop after {sig.name}\n{err}"
     assert code != 0, err
     assert "Traceback" not in err, err
+
+
+def test_only_the_first_connect_captures_stderr_and_the_heartbeats_does_not(monkeypatch):
+    """The capture of c10d's retry noise redirects the whole process's fd 2. The agent's
+    heartbeat thread connects while the agent's loop starts and prints its first lines
+    (its "joined job" line, a storage warning): with the capture on there, they went
+    into the capture's temporary file and were lost (seen in
+    ``test_storage_probe``'s spare node). The heartbeat's connect leaves fd 2 alone."""
+    import inspect
+    import os
+
+    import torch.distributed as dist
+
+    from launcher import job_store, liveness
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    redirected: list[int] = []
+    real = os.dup2
+
+    def dup2(fd: int, fd2: int, *rest) -> int:
+        redirected.append(fd2)
+        return real(fd, fd2, *rest)
+
+    monkeypatch.setattr(os, "dup2", dup2)
+    quiet = job_store.connect_store("127.0.0.1", master.port, 10.0, capture_log=False)
+    quiet.set("k", "v")
+    assert redirected == []
+    job_store.connect_store("127.0.0.1", master.port, 10.0)  # the agent's first connect
+    assert 2 in redirected
+    assert "capture_log=False" in inspect.getsource(liveness.Heartbeat.run)
