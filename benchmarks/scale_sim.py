@@ -624,7 +624,7 @@ def run_liveness(pool: StorePool, nodes: int, periods: int, interval_s: float,
         membership.register(watch_clients[node], node, ranks_per_node, spare=False)
     watch_counter.reset()
 
-    def connect(host: str, port: int, timeout_s: float = 0.0) -> CountingStore:
+    def connect(host: str, port: int, timeout_s: float = 0.0, **_kw: Any) -> CountingStore:
         with lock:
             connected.append(port)
             return CountingStore(next(beat_conns), beat_counter, len(connected) - 1,
