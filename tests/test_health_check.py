@@ -21,17 +21,11 @@ import pytest
 
 from launcher import health_check
 from tests.helpers.mp import free_port
-from tests.launcher_scripts.harness import REPO, Agents, clean_env, events, wait_for
+from tests.launcher_scripts.harness import REPO, Agents, clean_env, events, repo_env, wait_for
 
 SCRIPT = Path(__file__).parent / "launcher_scripts" / "watched_ddp.py"
 FAST = ("recovery.heartbeat_timeout_s=5", "recovery.heartbeat_interval_s=0.2",
         "recovery.on_no_spare=stop")
-
-
-def _env() -> dict[str, str]:
-    """The script imports ``examples.gpt``: the checkout goes on its path, as for
-    ``python examples/...`` run from it (a worker's path has the script's directory only)."""
-    return {**clean_env(), "PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture
@@ -58,7 +52,7 @@ def test_a_failing_health_check_fences_a_spare_node_before_it_takes_ranks(agents
             "--nnodes", "2", "--nproc_per_node", "2", "--node-rank", str(rank),
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "health", "--run-dir",
             str(run_dir), *FAST, *extra, str(SCRIPT), "--steps", "80", "--step-sleep",
-            "0.05", "--hold", str(hold), env=_env())
+            "0.05", "--hold", str(hold), env=repo_env())
 
     node0, node1 = node(0), node(1)
     # Fit at start, unfit by the time it is needed: the check runs again before a takeover.
@@ -92,7 +86,7 @@ def test_a_failing_health_check_fences_a_spare_node_before_it_takes_ranks(agents
 def test_a_training_node_that_fails_its_check_at_start_stops_the_job(agents, tmp_path):
     agent = agents.start("--standalone", "--nproc_per_node", "1", "--run-dir",
                          str(tmp_path / "run"), "recovery.health_check=echo no GPU here; exit 3",
-                         str(SCRIPT), "--steps", "3", env=_env())
+                         str(SCRIPT), "--steps", "3", env=repo_env())
     code = agents.wait(agent, 60)
     log = agents.log(agent)
     assert code != 0, log

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.mp import free_port
-from tests.launcher_scripts.harness import REPO, Agents, clean_env, events, wait_for
+from tests.launcher_scripts.harness import REPO, Agents, clean_env, events, repo_env, wait_for
 from tests.prometheus_server import Prometheus, require
 
 SCRIPT = Path(__file__).parent / "launcher_scripts" / "watched_ddp.py"
@@ -41,12 +41,6 @@ STEPS = 60
 JOB = "metrics-test"
 FAST = ("recovery.heartbeat_timeout_s=5", "recovery.heartbeat_interval_s=0.2",
         "recovery.straggler_window_steps=10")
-
-
-def _env() -> dict[str, str]:
-    """The script imports ``examples.gpt``: the checkout goes on its path, as for
-    ``python examples/...`` run from it (a worker's path has the script's directory only)."""
-    return {**clean_env(), "PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture
@@ -78,7 +72,7 @@ def test_prometheus_scrapes_a_two_node_job_through_a_kill(agents, tmp_path):
             "--run-dir", str(run_dir), "--metrics-port", str(metric_ports[node]), *FAST,
             f"persistence.path={tmp_path / 'ckpt'}", "persistence.every_n_steps=10",
             str(SCRIPT), "--steps", str(STEPS), "--step-sleep", "0.1", "--hold", str(hold),
-            env=_env())
+            env=repo_env())
     prom = Prometheus(tmp_path / "prom", [f"127.0.0.1:{p}" for p in metric_ports])
     try:
         wait_for(lambda: any(int(e["step"]) >= 15 for e in events(run_dir, "step")), 120,

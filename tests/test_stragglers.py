@@ -22,16 +22,10 @@ from pathlib import Path
 import pytest
 
 from launcher.stragglers import MIN_EXCESS_S, judge
-from tests.launcher_scripts.harness import REPO, Agents, clean_env, events, wait_for
+from tests.launcher_scripts.harness import Agents, events, repo_env, wait_for
 
 SCRIPT = Path(__file__).parent / "launcher_scripts" / "watched_ddp.py"
 WINDOW = 10
-
-
-def _env() -> dict[str, str]:
-    """The script imports ``examples.gpt``: the checkout goes on its path, as for
-    ``python examples/...`` run from it (a worker's path has the script's directory only)."""
-    return {**clean_env(), "PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture
@@ -50,7 +44,7 @@ def test_a_sigstopped_worker_is_named_a_straggler(agents, tmp_path):
     agent = agents.start(
         "--standalone", "--nproc_per_node", "3", "--run-dir", str(run_dir),
         "recovery.heartbeat_interval_s=0.2", f"recovery.straggler_window_steps={WINDOW}",
-        str(SCRIPT), "--steps", "200", "--step-sleep", "0.03", env=_env())
+        str(SCRIPT), "--steps", "200", "--step-sleep", "0.03", env=repo_env())
     wait_for(lambda: _newest_step(run_dir) >= 30, 120, "step 30")
     pid = int((run_dir / "pid_rank2").read_text())
     started_at = _newest_step(run_dir)
@@ -82,7 +76,7 @@ def test_replace_hands_the_straggler_to_a_warm_spare(agents, tmp_path):
         "--standalone", "--nproc_per_node", "3", "--spares", "1", "--run-dir", str(run_dir),
         "recovery.heartbeat_interval_s=0.2", f"recovery.straggler_window_steps={WINDOW}",
         "recovery.stragglers=replace", str(SCRIPT), "--steps", "150", "--step-sleep", "0.03",
-        env=_env())
+        env=repo_env())
     wait_for(lambda: _newest_step(run_dir) >= 30, 120, "step 30")
     pid = int((run_dir / "pid_rank2").read_text())
     deadline = time.monotonic() + 120

@@ -57,7 +57,6 @@ class ProgressReport:
         self._highest_ts: float | None = None
         self._replayed = 0
         self._first: tuple[int, float] | None = None  # (step, wall time) of this process's first
-        self._last_ts = 0.0
         self._pace: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
         self._own: list[float] = []
         self._walls: list[float] = []
@@ -80,7 +79,6 @@ class ProgressReport:
             self._highest, self._highest_ts = step, time.time()
         if self._first is None:
             self._first = (step, time.time())
-        self._last_ts = time.time()
         self._last_step, self._last_t, self._last_waited = step, now, waited
         if step % self.window_steps == 0:
             if len(self._own) >= self.window_steps // 2:
@@ -101,7 +99,6 @@ class ProgressReport:
             "steps_replayed": self._replayed,
             "first_step": self._first[0] if self._first else None,
             "first_ts": self._first[1] if self._first else None,
-            "last_ts": self._last_ts or None,
             "step_s": statistics.median(pace) if pace else None,
             "windows": self._windows,
         }

@@ -28,6 +28,12 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+def repo_env() -> dict[str, str]:
+    """:func:`clean_env` with the checkout on ``PYTHONPATH``, for scripts that import
+    ``examples`` (a worker's path has the script's directory only, as under torchrun)."""
+    return {**clean_env(), "PYTHONPATH": str(REPO)}
+
+
 class Agents:
     """The agents of one test, each with its own log file."""
 
