@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -331,6 +332,70 @@ def test_replica_store_keeps_one_copy_of_a_committed_step_held_twice():
     slot.step, slot.meta = 6, sentinel
     assert store.held_steps() == {0: [5, 6]}
     assert bool((store.get(0, 5).buffer == 5).all())
+
+
+class _Interval:
+    """Stands for the runtime's ``_auto_interval`` entry: a value outside the model that
+    a replay may set differently, which no checksum of the replay can tell apart."""
+
+    def __init__(self) -> None:
+        self.every = 8
+
+    def state_dict(self) -> dict[str, int]:
+        return {"every": self.every}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.every = sd["every"]
+
+
+def test_a_step_captured_again_after_a_deeper_rollback_restores_its_newest_copy():
+    """The chaos soak's livelock: step 160 was captured with the interval 40 and its
+    round failed; the job rolled back to 120, replayed, and captured 160 again with the
+    interval 32, which committed. With three slots (the durable tier's zero copy) both
+    copies stayed, and a rank that restored the older one skipped the next snapshot the
+    others took: their rounds never met again. Every lookup takes the newest copy, and
+    a later capture keeps it, not the older one."""
+    seed_all(3)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    interval = _Interval()
+    state = TrainingState()
+    for name, obj in (("model", model), ("optim", opt), ("_auto_interval", interval)):
+        state.register(name, obj)
+    engine = SnapshotEngine(state, num_slots=3)
+    train_step(model, opt)
+    _snapshot_at(engine, 1)  # the committed step the job rolls back to
+    train_step(model, opt)
+    interval.every = 40
+    engine.seal(engine.capture(2))  # its round fails: never committed
+    engine.restore(1)
+    train_step(model, opt)  # the replay: the same bits
+    interval.every = 32
+    engine.seal(engine.capture(2))
+    engine.protect(2)
+    assert engine.held_steps() == [1, 2, 2]
+    engine.restore(2)
+    assert interval.every == 32
+    for step in (3, 4):  # the older copy of 2 is the one overwritten, never the newer
+        engine.seal(engine.capture(step))
+    interval.every = 0
+    engine.restore(2)
+    assert interval.every == 32
+
+
+def test_replica_store_serves_and_keeps_the_newest_copy_of_a_step():
+    store = ReplicaStore()
+    # Two replicas of step 5: one from a round that failed, one received again after a
+    # rollback to an earlier step (stand-ins for their metadata).
+    old, new = SimpleNamespace(step=5), SimpleNamespace(step=5)
+    for meta, fill in ((old, 1), (new, 2)):
+        slot = store.writable(0, 64)
+        slot.buffer.fill_(fill)
+        store.adopt(slot, meta)
+    store.protect(5)
+    assert store.get(0, 5).meta is new
+    store.writable(0, 64)  # takes the older copy's slot
+    assert store.get(0, 5).meta is new and bool((store.get(0, 5).buffer == 2).all())
 
 
 def test_failed_capture_leaves_held_snapshots_intact():

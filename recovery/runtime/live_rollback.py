@@ -24,7 +24,7 @@ from replication.replica_protocol.live_handover import hand_over_live
 from replication.replica_protocol.logged_handover import hand_over_logged
 from replication.replica_protocol.mark_exchange import MarkExchange, first_capacity
 from replication.replica_protocol.replicator import Replicator
-from replication.snapshots.slots import SnapshotSlot
+from replication.snapshots.slots import SnapshotSlot, newest_copy
 from replication.snapshots.snapshot import SnapshotEngine
 from replication.training_state.snapshot_meta import SnapshotError
 
@@ -325,7 +325,8 @@ def transfer(rt: Checkpointless, plan: RecoveryPlan) -> HandoverResult:
 def _sealed(rep: Replicator, step: int) -> SnapshotSlot:
     """This survivor's slot of ``step``, sealed here if its round had not (the failure
     abandoned the round; its thread may still be sealing the same slot)."""
-    slot = next(s for s in rep.engine.slots if s.step == step)
+    slot = newest_copy(rep.engine.slots, step, lambda s: True)
+    assert slot is not None
     try:
         rep.engine.seal(slot)
     except SnapshotError:

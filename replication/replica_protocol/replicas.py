@@ -20,7 +20,7 @@ import torch
 
 from replication.replica_protocol.replica_tier import StagingRing, wants_device
 from replication.snapshots.device_tier import DeviceTier
-from replication.snapshots.slots import allocate_host
+from replication.snapshots.slots import allocate_host, newest_copy
 from replication.training_state.snapshot_meta import SnapshotMeta
 
 
@@ -34,6 +34,7 @@ class ReplicaSlot:
     meta: SnapshotMeta | None = None
     shared: frozenset[str] = field(default_factory=frozenset)
     on_device: bool = False  # ``buffer`` is device memory of the device tier
+    seq: int = 0  # which receipt filled it: lookups take a step's newest copy (newest_copy)
 
     @property
     def complete(self) -> bool:
@@ -55,6 +56,7 @@ class ReplicaStore:
         self.chunk_bytes = chunk_bytes
         self._slots: dict[int, list[ReplicaSlot]] = {}
         self._protected_step = -1
+        self._receipts = 0  # replicas received so far: each slot's seq
         self._lock = threading.Lock()
         self._ring: StagingRing | None = None
 
@@ -70,8 +72,7 @@ class ReplicaStore:
             # Keep ONE copy of the committed step. Both slots can hold it: a recovery
             # re-replicates the step it rolled back to, and the protected step does
             # not change in between. Protecting both would leave no slot to write.
-            kept = next((s for s in slots if s.step == self._protected_step and s.complete),
-                        None)
+            kept = newest_copy(slots, self._protected_step, lambda s: s.complete)
             slot = next(s for s in sorted(slots, key=lambda s: s.step) if s is not kept)
         slot.step, slot.meta, slot.shared = -1, None, frozenset()
         device = self._wants_device(slot, nbytes, received)
@@ -113,9 +114,11 @@ class ReplicaStore:
             self._protected_step = step
 
     def get(self, src: int, step: int) -> ReplicaSlot:
-        for slot in self._slots.get(src, []):
-            if slot.step == step and slot.complete:
-                return slot
+        """The complete replica of ``src`` at ``step``: its newest copy, if it was
+        received twice (a step replicated again after a rollback to an earlier one)."""
+        slot = newest_copy(self._slots.get(src, []), step, lambda s: s.complete)
+        if slot is not None:
+            return slot
         held = sorted(s.step for s in self._slots.get(src, []) if s.complete)
         raise KeyError(f"no replica of rank {src} at step {step} (holding steps {held})")
 
@@ -129,7 +132,14 @@ class ReplicaStore:
         """Mark ``slot`` (from :meth:`writable`, its bytes received and verified) as
         holding ``meta``'s step; segments named in ``shared`` were not received and are
         served from the local snapshot of the same step."""
-        slot.meta, slot.shared, slot.step = meta, shared, meta.step
+        slot.meta, slot.shared = meta, shared
+        self.filled(slot, meta.step)
+
+    def filled(self, slot: ReplicaSlot, step: int) -> None:
+        """Record that ``slot`` now holds ``step``, as the newest receipt."""
+        with self._lock:
+            self._receipts += 1
+            slot.step, slot.seq = step, self._receipts
 
     def held_steps(self) -> dict[int, list[int]]:
         """Source rank -> the steps of its complete replicas held here."""

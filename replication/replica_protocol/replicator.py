@@ -515,7 +515,7 @@ class Replicator:
             # Each chunk is hashed as soon as it lands, overlapping hashing with the
             # transfer.
             verify_as_they_land(pending, meta, lambda w: self.channel.wait([w], what), what)
-        rslot.meta, rslot.shared, rslot.step = meta, frozenset(shared), meta.step
+        self.replicas.adopt(rslot, meta, shared=frozenset(shared))
         return received
 
     # -- recovery --------------------------------------------------------------------

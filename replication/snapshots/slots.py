@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,10 @@ class SnapshotSlot:
     layout: SnapshotLayout | None = None
     views: list[torch.Tensor] = field(default_factory=list)
     step: int = -1
+    # Which capture wrote it (the engine counts them): a step captured again after a
+    # rollback to an earlier one can sit in two slots, and only the newer copy is the
+    # one its round committed (see newest_copy).
+    seq: int = 0
     skeletons: dict[str, bytes] = field(default_factory=dict)
     digests: dict[str, str] | None = None
     # while async device copies are in flight: one DeviceEvent per source device
@@ -74,6 +78,21 @@ class SnapshotSlot:
         if self.digests is None or self.layout is None:
             raise SnapshotError(f"snapshot of step {self.step} is not sealed yet")
         return SnapshotMeta(self.step, self.layout, dict(self.skeletons), dict(self.digests))
+
+
+def newest_copy(slots: Iterable[Any], step: int, ready: Callable[[Any], bool]) -> Any | None:
+    """The newest of ``slots`` (by their ``seq``) that holds ``step`` and is ``ready``.
+
+    A rollback to step C followed by a replay captures the steps after C again, while
+    an older capture of one of them (from the generation that failed, never committed)
+    may still sit in another slot. Its tensors are the same bits (replays are exact),
+    but entries exempt from the replay check are not: the intervals ``every_n_steps:
+    auto`` had chosen were one of them, so ranks restoring different copies of the same
+    step snapshotted different steps afterwards and their replication rounds never met
+    again. Every lookup by step therefore takes the newest copy, the one the newest
+    round of that step (the one that committed) was made from."""
+    found = [s for s in slots if s.step == step and ready(s)]
+    return max(found, key=lambda s: s.seq) if found else None
 
 
 def allocate_host(nbytes: int, *, pin: bool, zeroed: bool = True) -> torch.Tensor:

@@ -63,7 +63,12 @@ from replication.snapshots.overlap import (
     _weak_fence,
 )
 from replication.snapshots.replay_check import ReplayCheck
-from replication.snapshots.slots import SnapshotSlot, allocate_host, allocate_shared
+from replication.snapshots.slots import (
+    SnapshotSlot,
+    allocate_host,
+    allocate_shared,
+    newest_copy,
+)
 from replication.training_state import codec
 from replication.training_state.layout import (
     FlatState,
@@ -193,6 +198,7 @@ class SnapshotEngine:
         self.slots = [SnapshotSlot(i) for i in range(num_slots)]
         self._lock = threading.Lock()
         self._protected_step = -1  # the committed step; its slot is never overwritten
+        self._captures = 0  # captures so far: each slot's seq (see newest_copy)
         self._device_copier = device_copy.DeviceCopier()  # side streams, one per device
         self.overlap = overlap
         self.overlap_min_bytes = overlap_min_bytes
@@ -260,7 +266,8 @@ class SnapshotEngine:
             self._copy(slot, flat)
         slot.skeletons = flat.skeletons
         with self._lock:
-            slot.step = step
+            self._captures += 1
+            slot.step, slot.seq = step, self._captures
             if deferred:
                 slot.pending = self.pending = PendingCopy(slot, flat, deferred,
                                                           streaming=self.streaming)
@@ -363,9 +370,10 @@ class SnapshotEngine:
         while True:
             with self._lock:
                 # One slot keeps the committed step; a second copy of it (the step a
-                # recovery rolled back to, captured again) is as free as any other.
-                kept = next((s for s in self.slots
-                             if s.step == self._protected_step and not s.empty), None)
+                # recovery rolled back to, captured again) is as free as any other. The
+                # one kept is the newest copy: an older one may be from a round that
+                # never committed (see newest_copy).
+                kept = newest_copy(self.slots, self._protected_step, lambda s: not s.empty)
                 free = [s for s in sorted(self.slots, key=lambda s: s.step) if s is not kept]
                 if not free:  # pragma: no cover - at least two slots, one kept
                     raise SnapshotError("no free snapshot slot")
@@ -497,7 +505,8 @@ class SnapshotEngine:
             verify_segments(slot.buffer, meta)
         with self._lock:
             slot.skeletons, slot.digests = dict(meta.skeletons), dict(meta.digests)
-            slot.step = meta.step
+            self._captures += 1  # received, not captured: still the step's newest copy
+            slot.step, slot.seq = meta.step, self._captures
 
     # -- commit bookkeeping ------------------------------------------------------------
     def discard(self, slot: SnapshotSlot) -> None:
@@ -515,9 +524,10 @@ class SnapshotEngine:
         return self._protected_step
 
     def slot_for(self, step: int) -> SnapshotSlot:
-        for slot in self.slots:
-            if slot.step == step and slot.digests is not None:
-                return slot
+        """The sealed slot of ``step``: its newest copy, if it was captured twice."""
+        slot = newest_copy(self.slots, step, lambda s: s.digests is not None)
+        if slot is not None:
+            return slot
         held = sorted(s.step for s in self.slots if not s.empty)
         raise SnapshotError(f"no sealed local snapshot of step {step} (holding steps {held})")
 
