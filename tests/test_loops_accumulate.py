@@ -57,6 +57,21 @@ def test_accumulation_recovers_bit_identically(tmp_path, reference, counter, fau
     _same_losses(reference, job)
 
 
+def test_a_rollback_to_the_initial_state_replays_the_first_pass(tmp_path, reference):
+    """Without live rollback the kill at step 5 rolls back to step 0: the initial state,
+    committed before the loop opened its first pass. That used to stop the job ("the
+    recovery went back to pass 0 over the loader while the loop is in pass 1"), for
+    every job on the snapshot path (a sharded or DeepSpeed one) failing before its first
+    snapshot. The first pass begins again, and the run ends bit-identical."""
+    job = run_job(tmp_path / "run", nnodes=2, spares=1, script=SCRIPT,
+                  script_args=("--counter", "steps"), timeout_s=250,
+                  overrides=[f"recovery.fault={KILL}", "recovery.live_rollback=false", *FAST])
+    assert_succeeded(job)
+    assert {e["target_step"] for e in job.events("recovery")} == {0}, job.events("recovery")
+    assert_same_final(reference, job)
+    _same_losses(reference, job)
+
+
 def test_a_loop_counting_its_own_steps_is_stopped_with_the_cause(tmp_path):
     """``for _ in range(n):`` with ``next()`` twice inside: after the kill, the
     replacement's counter starts at 0 while the loader resumes at the batch after the

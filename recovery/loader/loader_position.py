@@ -247,6 +247,8 @@ class _TrackedIterator:
             self._pass = p.begin_pass()
             self._it, self._generation = p.open(), p.generation
         elif self._generation != p.generation:  # restored since: re-open there
+            if p.passes == 0 and p.yielded == 0 and self._pass == 1:
+                p.passes = 1  # the job's initial state, from before the first pass opened
             if p.passes != self._pass:
                 raise RecoveryImpossible(
                     f"the recovery went back to pass {p.passes} over the loader while the "

@@ -8,11 +8,10 @@
         opt.step(); opt.zero_grad(); sched.step()
     cl.run(train_step, num_steps=1000)
 
-``run`` snapshots after every step (double-buffered, replicated to other nodes,
-committed through the store). When any rank fails, every survivor rolls back to the
-newest committed step from its own memory, a replacement receives the lost state from
-a peer replica, the process groups are rebuilt for the new generation, and the loop
-goes on. The step function never sees generations, process groups or new ranks.
+``run`` snapshots at the runtime's interval, replicated to other nodes and committed
+through the store. When a rank fails, the survivors roll back from their own memory (or
+go on from the live step), a replacement receives its state from a peer replica, the
+process groups are rebuilt, and the step function never sees any of it.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from recovery.common.env import WorkerEnv
 from recovery.common.errors import CollectiveAborted, FailureDetected, Fenced, RecoveryImpossible
 from recovery.common.events import Event
 from recovery.durable.tier import DurableTier
+from recovery.engines import deepspeed_engine as ds_engine
 from recovery.faults import divergence, user_errors
 from recovery.faults.injection import FaultInjector
 from recovery.faults.spec import FAULT_ENV, parse_faults
@@ -72,6 +72,7 @@ class Checkpointless:
         scheduler: Any = None,
         scaler: Any = None,
         loader: Any = None,
+        engine: Any = None,
         extra: dict[str, Any] | None = None,
         settings: CheckpointlessConfig | None = None,
         backend: str = "gloo",
@@ -79,9 +80,10 @@ class Checkpointless:
         state: TrainingState | None = None,
         start: bool = True,
     ) -> None:
-        """``state`` replaces the default registry (integrations that restore through their
-        own framework register stand-ins); ``start=False`` defers joining the job to
-        :meth:`start`, for callers whose training state does not exist yet."""
+        """``engine``: a DeepSpeed engine, in place of ``model``, ``optimizer`` and
+        ``scheduler`` (:mod:`recovery.engines.deepspeed_engine`). ``state`` replaces the
+        default registry (integrations that restore through their own framework register
+        stand-ins); ``start=False`` defers joining the job to :meth:`start`."""
         self.env = env or WorkerEnv.from_environ()
         device_placement.place(self.env.local_rank, model)  # LOCAL_RANK's GPU, unless chosen
         user_errors.refuse_unlaunched_multiprocess(self.env)
@@ -95,6 +97,9 @@ class Checkpointless:
         entry = loader_position.track(loader) if loader is not None else None  # or refuse
         self.loop = EpochLoop(self, entry if entry is not loader else None)
         own_loop = self.loop if state is None else None  # frameworks keep their own loop
+        if engine is not None:  # a DeepSpeed engine, taken apart into its entries
+            (model, optimizer, scheduler), extra = ds_engine.entries(
+                engine, self.state, extra, given=(model, optimizer, scheduler))
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), ("loader", entry), ("_loop", own_loop),
                           *(extra or {}).items()):
@@ -117,8 +122,7 @@ class Checkpointless:
                                     committed=lambda: self.committed_step,
                                     settle=lambda: live_rollback.marks_left(self))
         self.faults.install(model, optimizer)
-        # The watchdog's own connection: heartbeats never queue behind the loop's requests.
-        self.watchdog = Watchdog(
+        self.watchdog = Watchdog(  # its own connection: beats never queue behind the loop's
             self._connect_store() if self.env.launched else self.store,
             self.env.heartbeat_file, rec.heartbeat_interval_s,
             on_failure=lambda g: controller.controller().fail(
@@ -153,8 +157,7 @@ class Checkpointless:
         training_groups.install_exit_guard()
         # Stop it before interpreter teardown destroys the store it polls under it.
         atexit.register(self.watchdog.stop)
-        self.start_step = 1
-        self._initial_snapshot = True  # start() says otherwise for frameworks
+        self.start_step, self._initial_snapshot = 1, True  # start() may say otherwise
         self._completed = 0  # the newest step this process completed (see replaying)
         self.restored_step: int | None = None  # set by start(): recovered or resumed step
         if start:
@@ -385,8 +388,7 @@ class Checkpointless:
         self.durable.finish(self.replicator)  # the final step is always persisted
         protocol.mark_trained(self.store, self.slot, self.step)  # the agents name slots
         self.log.emit(Event.WORKER_DONE, step=self.step, gen=self.gen)
-        # The watchdog keeps beating until the process exits: the script may still have
-        # work to do after training (saving, evaluation), and a silent rank looks hung.
+        # The watchdog beats until exit: a silent rank saving or evaluating looks hung.
         self.replicator.close()
         if destroy_group and self._created_group and dist.is_initialized():
             dist.destroy_process_group()  # the script's own group is the script's to destroy
@@ -533,8 +535,7 @@ class Checkpointless:
                 "transfer_parts": self._transfer_parts,
                 "bytes_already_held": self._bytes_already_held,
                 "ddp_modules_reset": ddp_reset, "fsdp_modules_reset": fsdp_reset,
-                "pipeline_schedules_reset": pp_reset,
-                **controller.controller().counters(),
+                "pipeline_schedules_reset": pp_reset, **controller.controller().counters(),
                 "recovered_at": t_done}
         info["weighted_modules"] = world_resize.after_restore(self, plan.target_step)
         self.log.emit(Event.RECOVERY, rank=self.rank, **info)

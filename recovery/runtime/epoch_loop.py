@@ -171,11 +171,10 @@ class EpochLoop:
         self.before_pass()
         if self._pass is None or self._pass[0] != self.epoch:
             self._pass = (self.epoch, self.rt.step)  # a new pass (else: resumed mid-pass)
-        start = self._pass[1]
         self._counted = num_steps
         try:
             while True:
-                while (index := self.rt.step - start) < num_steps:
+                while (index := self.rt.step - self._start()) < num_steps:
                     yield index
                 if self.active or self._commit_final():
                     break
@@ -184,6 +183,14 @@ class EpochLoop:
         self._pass = None  # done: the deferred snapshot (if any) holds no open pass
         if not self.active:
             self.rt.finish()
+
+    def _start(self) -> int:
+        """The step before the counted pass's first. A restored state that holds no pass
+        is from before it began (the job's initial state, or the epoch boundary's
+        snapshot): the pass starts at the restored step, as it does for a replacement."""
+        if self._pass is None:
+            self._pass = (self.epoch, self.rt.step)
+        return self._pass[1]
 
     def _at_pass_end(self, step: int) -> bool:
         """``step`` (just run) ends its pass: a counted pass's ``n``-th, or the tracked
