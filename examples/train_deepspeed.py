@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=2)
     ap.add_argument("--samples", type=int, default=1024)
     ap.add_argument("--out", default="", help="directory for final_rank<r>.json")
+    ap.add_argument("--per-micro-batch-steps", action="store_true",
+                    help="the mistake: one cl.training_step() per micro-batch (refused)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -92,10 +94,14 @@ def main() -> None:
                         extra={"seen": _Seen(seen), "losses": _Seen(losses, torch.float64)})
 
     k = args.accumulate
+    if args.per_micro_batch_steps:  # stopped at the first snapshot with one line
+        k, steps_of = 1, len(data)
+    else:
+        steps_of = len(data) // k
     for epoch in cl.epochs(args.epochs):  # checkpointless
         sampler.set_epoch(epoch)
         batches = iter(data)
-        for _ in cl.steps(len(data) // k):  # checkpointless
+        for _ in cl.steps(steps_of):  # checkpointless
             with cl.training_step():  # checkpointless
                 total = 0.0
                 for _ in range(k):  # DeepSpeed steps the optimizer at the k-th

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from tests.recovery_harness import assert_succeeded, run_job
+from tests.recovery_harness import assert_failed_cleanly, assert_succeeded, run_job
 
 if importlib.util.find_spec("deepspeed") is None:  # CI installs it: missing there is a failure
     if os.environ.get("TESTS_REQUIRE_DEEPSPEED"):
@@ -69,3 +69,61 @@ def test_a_zero_job_recovers_bit_identically(tmp_path, reference, fault):
     assert job.events("fault_injected"), "the fault never fired"
     assert job.events("recovery"), "nothing was recovered"
     _same(ref, job)
+
+
+@pytest.mark.parametrize("reference", [2], indirect=True, ids=["zero2"])
+def test_a_node_lost_with_no_spare_stops_with_one_line_and_a_new_run_resumes_exactly(
+        tmp_path, reference):
+    """No spare node: a DeepSpeed engine is built for its world (ZeRO's partitions, the
+    train_batch_size), so the job cannot shrink. The surviving agent ends it with one line
+    that says why and what to do (exit 75), never after a collective timeout.
+
+    The same command run again resumes from the runtime's durable checkpoint (every
+    rank's own ZeRO partitions, written every 2 steps) and ends bit-identical to the
+    failure-free run, every logged loss included."""
+    durable = (f"persistence.path={tmp_path / 'ckpt'}", "persistence.every_n_steps=2")
+    job = run_job(tmp_path / "run", nnodes=2, script=SCRIPT, script_args=("--stage", "2"),
+                  timeout_s=150,
+                  overrides=["recovery.fault=2:11:optimizer:node", *FAST, *durable])
+    assert not job.timed_out, job.output()
+    assert job.returncodes[0] == 75, job.output()
+    failed = [line for line in job.output().splitlines() if "job failed" in line]
+    assert len(failed) == 1, job.output()
+    assert "DeepSpeed engine is built for 4 data-parallel ranks" in failed[0], failed
+    assert "add a spare node" in failed[0], failed
+
+    again = run_job(tmp_path / "again", nnodes=2, script=SCRIPT,
+                    script_args=("--stage", "2"), timeout_s=200, overrides=[*FAST, *durable])
+    assert_succeeded(again)
+    resumed = [line for line in again.output().splitlines() if "resuming" in line]
+    assert resumed and "restored step" in resumed[0], again.output()
+    first_step = min(e["step"] for e in again.events("step"))
+    assert first_step > 1, f"the new run trained from step {first_step}"
+    _same(reference[1], again)
+
+
+def test_zero_stage_3_is_refused_with_one_line(tmp_path):
+    """Stage 3 partitions the parameters too (gathered per layer by hooks the runtime does
+    not reset yet): refused at ``Checkpointless(engine=...)``, before any step."""
+    job = run_job(tmp_path / "run", nnodes=1, script=SCRIPT, script_args=("--stage", "3"),
+                  timeout_s=120)
+    assert_failed_cleanly(job)
+    failed = [line for line in job.output().splitlines() if "job failed" in line]
+    assert len(failed) == 1 and "ZeRO stage 3 is not supported" in failed[0], job.output()
+    assert "not retried" in failed[0], failed
+
+
+def test_a_step_ending_inside_the_accumulation_is_named_at_once(tmp_path):
+    """A loop that wraps each micro-batch in its own ``cl.training_step()`` (one runtime
+    step per micro-batch) would snapshot ZeRO in the middle of an accumulation whenever the
+    interval lands on an odd step. The first such step (step 1, before any snapshot) stops
+    the job with one line that says how to write the step, not retried."""
+    job = run_job(tmp_path / "run", nnodes=1, script=SCRIPT,
+                  script_args=("--stage", "2", "--per-micro-batch-steps"), timeout_s=120)
+    assert_failed_cleanly(job)
+    failed = [line for line in job.output().splitlines() if "job failed" in line]
+    assert len(failed) == 1, job.output()
+    assert "micro-step 1 of DeepSpeed's 2-step gradient accumulation" in failed[0], failed
+    assert not job.events("recovery"), "a user's loop error was retried"
+    assert "(micro-step 1 in all)" in failed[0], failed  # the first step, not a later one
+    assert "script's own error" in failed[0], failed  # exit 93: a rerun fails the same way

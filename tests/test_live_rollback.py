@@ -195,7 +195,9 @@ def _targets(job: h.JobResult) -> set[tuple[int, bool]]:
 
 def test_a_kill_mid_interval_goes_on_from_the_step_before_it(tmp_path):
     """Snapshots every 8 steps, rank 1 SIGKILLed in step 11's backward: without live
-    rollback the job would go back to step 8 and replay 9 and 10."""
+    rollback the job would go back to step 8 and replay 9 and 10. Whether step 8's
+    round has committed by the kill depends on the host's load; the capture-ahead
+    assertion follows whichever base the plan reports, instead of assuming an idle host."""
     _, job = _pair(tmp_path, h.SCRIPT, ("replication.every_n_steps=8",), "1:11:backward")
     assert _targets(job) == {(10, True)}
     # the replacement runs on the survivor's host: it read the model and optimizer from
@@ -203,12 +205,17 @@ def test_a_kill_mid_interval_goes_on_from_the_step_before_it(tmp_path):
     newcomer = _newcomer(job)
     assert "map_s" in newcomer["transfer_parts"], newcomer["transfer_parts"]
     assert "receive_s" not in newcomer["transfer_parts"]
-    # the survivor captured step 10 while the rendezvous waited for the replacement
-    survivor = next(e for e in h.recovery_events(job) if not e.get("newcomer"))
-    assert "capture_ahead_s" in survivor["transfer_parts"], survivor["transfer_parts"]
     # 8 unless its round was still running when the kill came (then 0, and its
     # snapshot is dropped: no durable save is due at it in this job)
-    assert {int(e["base_step"]) for e in h.recovery_events(job)} <= {0, 8}
+    bases = {int(e["base_step"]) for e in h.recovery_events(job)}
+    assert bases in ({0}, {8}), bases
+    # With step 8 committed, the survivor captured step 10 while the rendezvous waited
+    # for the replacement. With step 8's round still running, its slot is newer than the
+    # committed step and the capture ahead does not take it (ADR 0041): step 10 is then
+    # captured after the plan. Which of the two happens is the host's timing.
+    survivor = next(e for e in h.recovery_events(job) if not e.get("newcomer"))
+    if bases == {8}:
+        assert "capture_ahead_s" in survivor["transfer_parts"], survivor["transfer_parts"]
 
 
 def _newcomer(job: h.JobResult) -> dict:

@@ -146,3 +146,28 @@ def test_a_stateful_object_is_registered_as_it_is():
 
     obj = Position()
     assert loader_position.track(obj) is obj
+
+
+@pytest.mark.timeout(400)
+def test_a_new_run_resumes_a_durable_checkpoint_mid_epoch(tmp_path, references):
+    """A job that cannot recover in memory (recovery off here) leaves durable checkpoints;
+    the same command run again resumes the newest, in the middle of an epoch, and
+    goes on at the step after it: the loop's step, the pass's index and the loader's
+    position all come from the checkpoint, so the result equals the failure-free run's."""
+    durable = (f"persistence.path={tmp_path / 'ckpt'}", "persistence.every_n_steps=3",
+               "replication.every_n_steps=3")
+    args = ("--loader", "dataloader")
+    cut = run_job(tmp_path / "cut", nproc=2, script=SCRIPT, script_args=args, timeout_s=180,
+                  overrides=(*durable, "recovery.max_restarts=0",
+                             "recovery.fault=1:20:backward:sigkill"))
+    assert not cut.timed_out and any(rc for rc in cut.returncodes.values()), cut.output()
+    again = run_job(tmp_path / "again", nproc=2, script=SCRIPT, script_args=args,
+                    timeout_s=180, overrides=durable)
+    assert_succeeded(again)
+    resumed = [e["step"] for e in again.events("durable_resume")]
+    # the newest complete save before step 20 (a save still being written when the next
+    # falls due is skipped, so it may be an earlier one), never at an epoch's end
+    assert resumed and 0 < resumed[0] < 20 and resumed[0] % 16, again.output()
+    steps = sorted({e["step"] for e in again.events("step")})
+    assert steps[0] == resumed[0] + 1 and steps[-1] == STEPS, steps
+    assert_same_final(references("dataloader"), again)

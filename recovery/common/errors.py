@@ -35,6 +35,12 @@ class RecoveryImpossible(CheckpointlessError, RuntimeError):
     """Some rank's state has no surviving in-memory copy (the message says which)."""
 
 
+class ScriptLoopError(RecoveryImpossible):
+    """The script's loop is written in a way the runtime cannot protect (a DeepSpeed step
+    that ends inside its gradient accumulation): the script's own error, which a replay
+    or a new run repeats, so the job ends with the script-error status."""
+
+
 class InjectedFault(CheckpointlessError, RuntimeError):
     """An exception raised on purpose by the fault-injection hook."""
 

@@ -19,7 +19,8 @@ and restores cover it like any other state (ADR 0051):
 A runtime step is one optimizer step: a loop with ``gradient_accumulation_steps: k``
 runs ``k`` micro-batches (``engine(x)``, ``engine.backward(loss)``, ``engine.step()``)
 inside each ``with cl.training_step():``, so a snapshot never falls inside an
-accumulation. One that does is refused with one line at that step.
+accumulation. A step that ends inside one stops the job with one line, at the first
+such step (a check at every step's end, not only at snapshots).
 
 A failure can interrupt ZeRO in the middle of a backward (its gradient reduction runs in
 autograd hooks) or of ``engine.step()``. A restore therefore first puts the engine and
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from recovery.common.errors import RecoveryImpossible
+from recovery.common.errors import ScriptLoopError
 from replication.training_state.state import StateRegistrationError
 
 Refused = StateRegistrationError  # one line at Checkpointless(...), before any step
@@ -86,6 +87,7 @@ def entries(engine: Any, state: Any, extra: dict[str, Any] | None, given: tuple 
     if "deepspeed" in (extra or {}):
         raise Refused("extra= names an entry 'deepspeed': that name is the engine's own")
     state.add_restore_guard(lambda: reset_interrupted_step(engine))
+    state.add_step_check(lambda: check_boundary(engine))
     parts = (engine.module, base_optimizer(engine), engine.lr_scheduler)
     return parts, {"deepspeed": EngineState(engine, state), **(extra or {})}
 
@@ -140,6 +142,14 @@ class EngineState:
     def __init__(self, engine: Any, state: Any) -> None:
         self.engine, self.state = engine, state
 
+    def resize_refusal(self) -> str:
+        """Why the job cannot shrink or grow (:mod:`recovery.resize.world_resize`)."""
+        world = self.engine.dp_world_size
+        return (f"a DeepSpeed engine is built for {world} data-parallel ranks (its ZeRO "
+                "partitions and its train_batch_size), and DeepSpeed changes that only "
+                "through its own checkpoints: add a spare node, or restart from the "
+                "durable checkpoint")
+
     def _partitions(self) -> list[torch.Tensor]:
         return list(getattr(self.engine.optimizer, "single_partition_of_fp32_groups", []))
 
@@ -189,11 +199,12 @@ def check_boundary(engine: Any) -> None:
     managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
     micro = int(engine.micro_steps)
     if gas > 1 and managed and micro % gas:
-        raise RecoveryImpossible(
-            f"a training step ended after micro-step {micro % gas} of DeepSpeed's "
-            f"{gas}-step gradient accumulation: run gradient_accumulation_steps "
-            f"({gas}) micro-batches in each `with cl.training_step():` (one runtime step "
-            "is one optimizer step)")
+        raise ScriptLoopError(
+            f"rank {engine.global_rank}'s training step ended after micro-step {micro % gas} "
+            f"of DeepSpeed's {gas}-step gradient accumulation (micro-step {micro} in all): "
+            f"run gradient_accumulation_steps ({gas}) micro-batches in each "
+            "`with cl.training_step():` (one runtime step is one optimizer step); "
+            "not retried")
 
 
 def reset_interrupted_step(engine: Any) -> None:

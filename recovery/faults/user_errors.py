@@ -163,16 +163,19 @@ def record_verdict(exc: BaseException) -> None:
     iterator after a rollback across an epoch, the epoch loop's boundary) reached the
     agent as a plain crash, which it replaced, and the job then failed for another
     reason ("no surviving copy") after a cascade of recoveries."""
+    from recovery.common.causes import FailureCause
     from recovery.common.env import WorkerEnv
+    from recovery.common.errors import ScriptLoopError
     from recovery.generation import protocol
 
     env = WorkerEnv.from_environ()
     if not env.launched:
         return
+    kind = {"kind": FailureCause.USER_ERROR} if isinstance(exc, ScriptLoopError) else {}
     try:
         store = env.connect_store()
         if protocol.fatal(store) is None:
-            protocol.set_fatal(store, str(exc), rank=env.rank)
+            protocol.set_fatal(store, str(exc), rank=env.rank, **kind)
             print(f"checkpointless: {exc}", file=sys.stderr, flush=True)
     except Exception:  # the job store is gone: the job is ending anyway
         pass

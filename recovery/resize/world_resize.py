@@ -248,6 +248,10 @@ def why_not_resizable(runtime: Any) -> str | None:
     from recovery.loader.loader_position import LoaderPosition
     from recovery.resize.reshard import sharding_refusal
 
+    for name, obj in runtime.state:  # an entry that knows its own layout (a DeepSpeed engine)
+        own = getattr(obj, "resize_refusal", None)
+        if callable(own) and (why := own()) is not None:
+            return f"state {name!r}: {why}"
     fsdp = _sharded_entries(runtime)
     ddp = torch.nn.parallel.DistributedDataParallel
     other = [name for name, obj in runtime.state if isinstance(obj, torch.nn.Module)

@@ -186,6 +186,7 @@ class Checkpointless:
                 self._fatal(str(exc))
             assert self.replicator is not None
             self.restored_step = self.durable.maybe_resume(self.replicator)
+            self.step = self.restored_step or 0  # cl.epochs and cl.steps go on after it
             if self.restored_step is None and initial_snapshot:
                 self.commit_initial(0)  # the initial state is step 0, committed first
         self.start_step = (self.restored_step or 0) + 1
@@ -292,9 +293,8 @@ class Checkpointless:
         self._after_step(step, snapshot=snapshot)
 
     def wait_committed(self) -> None:
-        """Block until the newest snapshot is committed on every copy (re-raises the
-        failure of its replication round). Lets a framework release what must only
-        appear once a step is committed (the Lightning strategy's logged rows)."""
+        """Block until the newest snapshot is committed on every copy (re-raises its
+        round's failure): a framework then releases what only a committed step may show."""
         assert self.replicator is not None
         self.replicator.wait()
 
@@ -343,12 +343,12 @@ class Checkpointless:
 
     def _after_step(self, step: int, snapshot: bool | None = None) -> None:
         assert self.replicator is not None
+        self.state.check_step()  # e.g. a DeepSpeed step ended inside its accumulation
         user_errors.mark_first_step_done()
         self._completed = max(self._completed, step)
         if self.progress is not None:
             self.progress.step_done(step)
-        # A slot the durable writer still reads is held (see DurableTier.persist_committed): the
-        # capture below takes another slot, or waits only if it must reuse that one.
+        # A slot the durable writer still reads is held (DurableTier.persist_committed).
         capture = self.replicator.snapshot_due(step) if snapshot is None else snapshot
         if capture:
             self.durable.before_capture(step)

@@ -95,6 +95,7 @@ class TrainingState:
         self.map_location = map_location
         self._entries: dict[str, Stateful] = {}
         self._restore_guards: list[Callable[[], None]] = []
+        self._step_checks: list[Callable[[], None]] = []
         self._declared_optimizers: list[torch.optim.Optimizer] = []
         self.replay_exempt: frozenset[str] = frozenset()  # see exempt_from_replay_check
         self.optional: frozenset[str] = frozenset()  # see mark_optional
@@ -137,6 +138,18 @@ class TrainingState:
         fence here, so no restore writes a tensor while a snapshot still reads it.
         """
         self._restore_guards.append(guard)
+
+    def add_step_check(self, check: Callable[[], None]) -> None:
+        """Call ``check()`` at the end of every step, before its snapshot: an entry whose
+        state is only capturable at some boundaries (a DeepSpeed engine between two
+        optimizer steps) raises there at the first step that ends elsewhere, instead of at
+        whichever later step the snapshot interval happens to fall on."""
+        self._step_checks.append(check)
+
+    def check_step(self) -> None:
+        """Run the checks :meth:`add_step_check` registered (each raises its own line)."""
+        for check in self._step_checks:
+            check()
 
     def declare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Name optimizers whose tensors the entries reach without registering them.
