@@ -42,8 +42,10 @@ from recovery.common.events import Event
 from recovery.generation.protocol import read_events
 
 
-def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: str) -> Path:
-    """Two agents (two nodes, one worker each) on this machine; returns the run dir."""
+def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: str,
+                       worker: str = "recovery_worker.py") -> Path:
+    """Two agents (two nodes, one worker each) on this machine; returns the run dir.
+    ``worker``: the job, in ``benchmarks/`` (``--mode checkpointless``)."""
     port = free_port()
     run_dir = out / "run"
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -51,7 +53,7 @@ def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: st
               "recovery.heartbeat_timeout_s=10"]
     if fault:
         common.append(f"recovery.fault={fault}")
-    script = [str(REPO / "benchmarks" / "recovery_worker.py"), "--mode", "checkpointless",
+    script = [str(REPO / "benchmarks" / worker), "--mode", "checkpointless",
               "--out", str(out), *worker_args]
     procs = [
         subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "--node-rank", str(n),
@@ -65,9 +67,12 @@ def run_checkpointless(out: Path, worker_args: list[str], spares: int, fault: st
     return run_dir
 
 
-def run_torchrun(out: Path, worker_args: list[str], die_at: int) -> None:
+def run_torchrun(out: Path, worker_args: list[str], die_at: int,
+                 worker: str = "recovery_worker.py", mode: str = "dcp") -> None:
+    """The baseline: ``worker --mode mode`` under plain torchrun, the whole job killed by
+    its rank 1 at step ``die_at`` and started again at once (it resumes its checkpoint)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(REPO / "benchmarks" / "recovery_worker.py"), "--mode", "dcp", "--out",
+           "2", str(REPO / "benchmarks" / worker), "--mode", mode, "--out",
            str(out), "--die-at", str(die_at), *worker_args]
     first = subprocess.Popen(cmd, cwd=REPO, env=job_env(), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

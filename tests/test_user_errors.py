@@ -132,3 +132,21 @@ def test_a_sigterm_while_the_reason_is_said_waits_for_it():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
     assert proc.stdout == "the traceback and the line\n", proc.stdout
+
+
+def test_a_broken_deepspeed_install_stops_the_job_with_one_line(tmp_path):
+    """A DeepSpeed whose import fails (a wheel built for another torch, a missing shared
+    library) fails the same way in every replacement: the zygote's preload of it must
+    not hide or repeat the error, and the job stops with one line naming it."""
+    pkg = tmp_path / "deepspeed"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        'raise ImportError("libcheckpointless_missing.so: cannot open shared object file")\n')
+    script = tmp_path / "train_ds.py"
+    script.write_text("import deepspeed\n\nfrom recovery import Checkpointless\n\n"
+                      "deepspeed.init_distributed(dist_backend='gloo')\n")
+    job = run_job(tmp_path / "run", nproc=2, script=str(script), script_args=(), timeout_s=60)
+    text = _assert_stopped_once(job, within_s=30)
+    assert ("raised ImportError: libcheckpointless_missing.so: cannot open shared object "
+            "file") in text and "before its first step" in text, text[-3000:]
+    assert "job failed: rank" in text
