@@ -57,15 +57,18 @@ def _check_two_generations(job, victims: list[int]) -> None:
         mine = [e for e in declared if e["cause"].get("rank") == victim]
         assert mine, f"no agent declared rank {victim}'s failure: {declared}"
         assert all(e["gen"] > e["cause"]["gen_of_process"] for e in mine), mine
-    # The second failure: every rank that had resumed in the first recovery's generation
-    # noticed it within a few heartbeats (a failed collective or the watchdog), never
-    # by the collective timeout (the soak's survivors noticed after 120 s).
+    # The second failure: every rank that had finished the first recovery (its
+    # ``recovery`` event: restored, back in the loop) noticed it within a few heartbeats
+    # (a failed collective or the watchdog), never by the collective timeout (the soak's
+    # survivors noticed after 120 s). Measured from the recovery, not from ``resumed``:
+    # that is written after the first step's snapshot, and a kill in that snapshot can
+    # come before any rank writes it.
     first = gens[0]
-    resumed = [e for e in job.events("resumed") if e["gen"] == first]
+    recovered = [e for e in recs if e["gen"] == first]
     second_victim = victims[-1]
     killed_at = min(e["ts"] for e in job.events("worker_exit")
-                    if e["rank"] == second_victim and e["ts"] > min(x["ts"] for x in resumed))
-    expect = {e["rank"] for e in resumed if e["ts"] < killed_at} - {second_victim}
+                    if e["rank"] == second_victim and e["ts"] > min(x["ts"] for x in recovered))
+    expect = {e["rank"] for e in recovered if e["ts"] < killed_at} - {second_victim}
     noticed = {e["rank"]: round(e["ts"] - killed_at, 2)
                for e in job.events("failure_detected") if e["gen"] == first}
     late = {r: noticed.get(r) for r in expect if noticed.get(r) is None or noticed[r] > 3.0}
