@@ -32,8 +32,8 @@ from recovery import Checkpointless  # checkpointless
 class Regression(Dataset):
     """Generated regression samples, each carrying its own index (to check the order)."""
 
-    def __init__(self, n: int = 512, dim: int = 16, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
+    def __init__(self, n: int = 512, dim: int = 16, seed: int = 0, noise: float = 0.01) -> None:
+        g, self.noise = torch.Generator().manual_seed(seed), noise
         self.x = torch.randn(n, dim, generator=g)
         self.y = self.x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
 
@@ -41,7 +41,7 @@ class Regression(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        noise = 0.01 * torch.randn(1)  # augmentation: a random draw in the worker
+        noise = self.noise * torch.randn(1) if self.noise else 0.0  # a draw in the worker
         return self.x[i] + noise, self.y[i], i
 
 

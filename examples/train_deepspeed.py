@@ -8,7 +8,9 @@ micro-batches per optimizer step; the lines marked ``# checkpointless`` are the 
 the import, ``Checkpointless(engine=..., loader=...)``, ``cl.epochs``/``cl.steps`` and
 ``with cl.training_step():``. One runtime step is one optimizer step, so the step holds
 the accumulation's micro-batches (each ``engine(x)``, ``engine.backward(loss)``,
-``engine.step()``, as DeepSpeed's own examples write them).
+``engine.step()``, as DeepSpeed's own examples write them). With ``--save-dir`` it also
+calls ``engine.save_checkpoint`` every ``--save-every`` steps, as a DeepSpeed script
+does; plain DeepSpeed's ``engine.load_checkpoint`` reads what it wrote.
 
 Under ``checkpointless run``, ``init_distributed`` gives DeepSpeed the runtime's own
 process group (its groups fail fast and are rebuilt after a failure); ZeRO's partitions
@@ -62,7 +64,22 @@ def digest(engine: deepspeed.DeepSpeedEngine) -> str:
     return h.hexdigest()
 
 
-def main() -> None:
+def build(args: argparse.Namespace, world: int) -> tuple:
+    """The engine, the loader, its sampler and the schedule, as the script builds them."""
+    torch.manual_seed(1234)  # the same initial weights on every rank
+    dataset = Regression(n=args.samples, noise=0.0 if args.no_rng else 0.01)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=7)
+    data = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=2)
+    model = nn.Sequential(nn.Dropout(0.0 if args.no_rng else 0.1), nn.Linear(16, 64), nn.ReLU(),
+                          nn.Linear(64, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=64)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                           config=config(args, world))
+    return engine, data, sampler, sched
+
+
+def arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, default=2, help="ZeRO stage: 0, 1 or 2")
     ap.add_argument("--epochs", type=int, default=2)
@@ -72,20 +89,23 @@ def main() -> None:
     ap.add_argument("--out", default="", help="directory for final_rank<r>.json")
     ap.add_argument("--per-micro-batch-steps", action="store_true",
                     help="the mistake: one cl.training_step() per micro-batch (refused)")
-    args = ap.parse_args()
+    ap.add_argument("--save-dir", default="",
+                    help="engine.save_checkpoint(DIR) every --save-every optimizer steps")
+    ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--no-rng", action="store_true",
+                    help="no dropout and no augmentation: steps that draw no random numbers "
+                    "(a plain DeepSpeed resume restores no per-rank RNG stream, nor the "
+                    "DataLoader workers' seeds)")
+    return ap
+
+
+def main() -> None:
+    args = arguments().parse_args()
     torch.set_num_threads(1)
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234)  # the same initial weights on every rank
-    dataset = Regression(n=args.samples)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=7)
-    data = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=2)
-    model = nn.Sequential(nn.Dropout(0.1), nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=64)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                           config=config(args, world))
+    engine, data, sampler, sched = build(args, world)
     torch.manual_seed(99 + rank)  # dropout differs per rank, as in any data-parallel job
     seen: list[int] = []  # every sample index this rank trained on, in order
     losses: list[float] = []  # each optimizer step's loss, as the script would log it
@@ -112,6 +132,10 @@ def main() -> None:
                     total += loss.item() / k
                     seen.extend(index.tolist())
                 losses.append(total)
+                if args.save_dir and engine.global_steps % args.save_every == 0:
+                    # DeepSpeed's own checkpoint (under the runtime: written in the
+                    # background, committed atomically)
+                    engine.save_checkpoint(args.save_dir, client_state={"position": len(seen)})
 
     out = args.out or cl.env.run_dir
     os.makedirs(out, exist_ok=True)

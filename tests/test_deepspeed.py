@@ -7,17 +7,25 @@ gloo. A worker killed in the forward, in the backward (ZeRO's gradient reduction
 its hooks) or in ``engine.step()``, and a whole node lost, each end bit-identical to the
 failure-free run: the weights, every rank's partition of the AdamW state and of the fp32
 master weights, the engine's counters, the learning rate, the data order and every
-step's loss.
+step's loss. ``engine.save_checkpoint`` goes through the runtime (asynchronous, atomic,
+checksummed) and plain DeepSpeed resumes what it wrote.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from tests.helpers.mp import free_port
 from tests.recovery_harness import assert_failed_cleanly, assert_succeeded, run_job
+
+ROOT = Path(__file__).resolve().parent.parent
 
 if importlib.util.find_spec("deepspeed") is None:  # CI installs it: missing there is a failure
     if os.environ.get("TESTS_REQUIRE_DEEPSPEED"):
@@ -127,3 +135,57 @@ def test_a_step_ending_inside_the_accumulation_is_named_at_once(tmp_path):
     assert not job.events("recovery"), "a user's loop error was retried"
     assert "(micro-step 1 in all)" in failed[0], failed  # the first step, not a later one
     assert "script's own error" in failed[0], failed  # exit 93: a rerun fails the same way
+
+
+def test_save_checkpoint_is_atomic_and_plain_deepspeed_resumes_it_exactly(tmp_path, capsys):
+    """``engine.save_checkpoint(dir)`` every 10 steps, unchanged, under the runtime; rank 1
+    is SIGKILLed once its files of ``global_step20`` are written but before it says so
+    (the ``save`` fault phase). The tag never appears half written and ``latest`` never
+    names it; the replay commits it again. Plain DeepSpeed (``torch.distributed.run``,
+    no runtime) then loads ``latest`` and trains on to the same losses, weights, optimizer
+    partitions and fp32 master weights as the runtime's run (a job whose steps draw no
+    random numbers: DeepSpeed's own checkpoints restore no RNG stream)."""
+    from launcher.cli import main
+
+    save_dir = tmp_path / "ds_ckpt"
+    args = ("--stage", "2", "--epochs", "1", "--no-rng", "--save-dir", str(save_dir),
+            "--save-every", "10")
+    job = run_job(tmp_path / "run", nnodes=1, spares=1, script=SCRIPT, script_args=args,
+                  timeout_s=200, overrides=["recovery.fault=1:20:save:sigkill", *FAST])
+    assert_succeeded(job)
+    (fired,) = job.events("fault_injected")
+    assert fired["phase"] == "save" and fired["step"] == 20, fired
+    assert job.events("recovery"), "nothing was recovered"
+    saved = {(e["tag"], e["attempt"]): e for e in job.events("tagged_checkpoint")
+             if e["rank"] == 0}
+    cut = [e for (tag, _), e in saved.items() if tag == "global_step20" and not e["committed"]]
+    assert cut, f"the save rank 1 died in was committed anyway: {sorted(saved)}"
+    assert {tag for (tag, _), e in saved.items() if e["committed"]} == {
+        "global_step10", "global_step20", "global_step30"}, sorted(saved)
+    assert all(e["waited_s"] < 5 and e["serialize_s"] < 5 for e in saved.values()), saved
+    assert (save_dir / "latest").read_text() == "global_step30"
+    assert not [p.name for p in save_dir.iterdir() if ".partial-" in p.name]
+    assert main(["ckpt", "list", "--all", "--json", str(save_dir)]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(c["step"], c["status"]) for c in listed] == [(10, "valid"), (20, "valid"),
+                                                          (30, "valid")], listed
+    assert main(["ckpt", "verify", str(save_dir / "global_step30")]) == 0, capsys.readouterr()
+
+    out = tmp_path / "plain"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("CHECKPOINTLESS_")}
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "tests/user_scripts/deepspeed_plain_resume.py",
+         *args, "--load-dir", str(save_dir), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    finals = job.finals()
+    for rank in (0, 1):
+        got = json.loads((out / f"plain_rank{rank}.json").read_text())
+        assert got["loaded_step"] == 30, got
+        assert got["loaded"].startswith(str(save_dir / "global_step30")), got
+        assert got["losses"] == finals[rank]["losses"][30:], rank
+        assert got["digest"] == finals[rank]["digest"], f"rank {rank}: the state differs"
+        assert got["global_steps"] == finals[rank]["global_steps"]

@@ -1,7 +1,8 @@
 """``checkpointless ckpt list|latest|show|verify|prune|export URL``: durable checkpoints.
 
-URL is a persistence root (``persistence.path``), one ``step_<N>`` directory under it, or
-(for ``list`` and ``latest``) a directory whose subdirectories are roots, such as a
+URL is a persistence root (``persistence.path``), one ``step_<N>`` directory under it, a
+DeepSpeed ``save_dir`` or one of its tags (what ``engine.save_checkpoint`` wrote under
+the runtime), or (for ``list`` and ``latest``) a directory whose subdirectories are roots, such as a
 ``ModelCheckpoint`` directory (each ``.ckpt`` name is a root), on any fsspec store (a
 local path, ``s3://bucket/prefix``, ``gs://...``). Options for
 the store go in ``-o KEY=VALUE`` (dotted keys nest: ``-o client_kwargs.endpoint_url=
@@ -29,6 +30,7 @@ EPILOG = """\
 examples:
   checkpointless ckpt list /mnt/ckpt/run1
   checkpointless ckpt list lightning_logs/version_0/checkpoints   # one root per .ckpt
+  checkpointless ckpt list /mnt/ds_ckpt               # a DeepSpeed save_dir: one row per tag
   checkpointless ckpt latest /mnt/ckpt/run1          # prints the newest checkpoint's URL
   checkpointless ckpt list s3://bucket/run1 -o client_kwargs.endpoint_url=http://minio:9000
   checkpointless ckpt show /mnt/ckpt/run1            # the newest valid checkpoint
@@ -172,9 +174,11 @@ def _dump(doc: Any) -> None:
 
 def _list(args: argparse.Namespace) -> int:
     from replication.durable import find_roots, scan
+    from replication.durable.tagged import scan_tagged
 
     opts = _opts(args)
     infos = [i for root in find_roots(args.url, opts) for i in scan(root, opts)]
+    infos += scan_tagged(args.url, opts)  # a DeepSpeed save_dir's tags
     if not args.all:
         infos = [i for i in infos if i.valid]
     if args.json:
@@ -187,7 +191,8 @@ def _list(args: argparse.Namespace) -> int:
     rows = [("STEP", "STATUS", "WORLD", "SIZE", "CREATED", "URL")]
     for i in infos:
         created = _when(i.manifest.created_unix if i.manifest else i.mtime)
-        rows.append((str(i.step), _status(i), str(i.world_size or "-"), _size(i.nbytes),
+        rows.append((str(i.step) if i.step >= 0 else "-", _status(i), str(i.world_size or "-"),
+                     _size(i.nbytes),
                      created, i.url))
     _table(rows)
     print(NOT_VERIFIED)
@@ -267,9 +272,13 @@ def _show(args: argparse.Namespace) -> int:
     print(f"created      {_when(m.created_unix)}")
     print(f"size         {_size(m.total_bytes)} in {len(m.files)} files")
     ident = m.identical_segments
-    print(f"state        {', '.join(sorted(m.ranks[0].segments))}")
-    print(f"identical    {', '.join(ident) if ident else '-'}"
-          + ("  (loadable at any world size)" if len(ident) == len(m.ranks[0].segments) else ""))
+    if m.layout != "dcp":  # a framework's own files, under the tag it named
+        print(f"layout       {m.layout}'s own, tag {m.tag!r} (load it with {m.layout})")
+    else:
+        print(f"state        {', '.join(sorted(m.ranks[0].segments))}")
+        print(f"identical    {', '.join(ident) if ident else '-'}"
+              + ("  (loadable at any world size)" if len(ident) == len(m.ranks[0].segments)
+                 else ""))
     rows = [("RANK", "FILE", "SIZE", "XXH3-128")]
     for r in m.ranks:
         for rel, f in sorted(r.files.items()):

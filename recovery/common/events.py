@@ -71,6 +71,9 @@ class Event(StrEnum):
 
     # -- the durable tier -----------------------------------------------------------------
     SAVED = "saved"
+    #: a framework's own checkpoint (DeepSpeed's save_checkpoint) written by a rank, and
+    #: on rank 0 committed (replication.durable.tagged)
+    TAGGED_CHECKPOINT = "tagged_checkpoint"
     SAVE_FAILED = "save_failed"
 
     # -- the chaos harness and the benchmarks' workloads ------------------------------------

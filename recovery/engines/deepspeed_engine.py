@@ -40,6 +40,9 @@ DeepSpeed's shared-memory all-reduce for CPU inference bypasses torch.distribute
 dead peer would hang it); :func:`install` turns it off before DeepSpeed looks for it, and
 with it the compile of its extension.
 
+``engine.save_checkpoint`` goes through the runtime too: asynchronous, atomic and
+checksummed, in DeepSpeed's own layout (:mod:`recovery.engines.deepspeed_saves`).
+
 Tested with DeepSpeed 0.19.8. DeepSpeed is imported only when an engine is given, or
 by the worker's import hook once the script imports it.
 """
@@ -47,6 +50,8 @@ by the worker's import hook once the script imports it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,13 +77,25 @@ def install() -> None:
     compatible[SHM_OP] = False
 
 
-def entries(engine: Any, state: Any, extra: dict[str, Any] | None, given: tuple = ()
+@dataclass(frozen=True)
+class SaveHooks:
+    """What the runtime gives ``engine.save_checkpoint`` (:mod:`.deepspeed_saves`)."""
+
+    generation: Callable[[], int]
+    run_id: str
+    emit: Callable[..., Any]  # the event log's, for ``tagged_checkpoint`` events
+    before_commit: Callable[[int], None] | None = None  # the ``save`` fault phase
+
+
+def entries(engine: Any, state: Any, extra: dict[str, Any] | None, given: tuple = (),
+            saves: SaveHooks | None = None
             ) -> tuple[tuple[torch.nn.Module, torch.optim.Optimizer, Any], dict[str, Any]]:
     """``engine`` taken apart (see the module docstring), after checking it is one the
     runtime supports: its module, its torch optimizer and its scheduler (None without
     one), and ``extra`` with :class:`EngineState` added. ``state``: the runtime's
     registry, whose restores first reset the interrupted step; ``given``: the model,
-    optimizer and scheduler passed beside the engine (refused: the engine holds them)."""
+    optimizer and scheduler passed beside the engine (refused: the engine holds them);
+    ``saves``: route the engine's own checkpoints through the runtime (ADR 0052)."""
     install()
     refuse_unsupported(engine)
     if any(x is not None for x in given):
@@ -86,6 +103,11 @@ def entries(engine: Any, state: Any, extra: dict[str, Any] | None, given: tuple 
                       "from the DeepSpeed engine: leave model=, optimizer= and scheduler= out")
     if "deepspeed" in (extra or {}):
         raise Refused("extra= names an entry 'deepspeed': that name is the engine's own")
+    if saves is not None:
+        from recovery.engines import deepspeed_saves  # imports deepspeed
+
+        deepspeed_saves.install(engine, generation=saves.generation, run_id=saves.run_id,
+                                emit=saves.emit, before_commit=saves.before_commit)
     state.add_restore_guard(lambda: reset_interrupted_step(engine))
     state.add_step_check(lambda: check_boundary(engine))
     parts = (engine.module, base_optimizer(engine), engine.lr_scheduler)

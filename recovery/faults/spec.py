@@ -21,7 +21,7 @@ from replication.errors import CheckpointlessError
 #: the launcher the recipe layer reads it like any ``CHECKPOINTLESS_<SECTION>_<KEY>``.
 FAULT_ENV = "CHECKPOINTLESS_RECOVERY_FAULT"
 PHASES = ("step", "forward", "backward", "optimizer", "snapshot", "replication", "recovery",
-          "setup")
+          "setup", "save")  # save: after a framework checkpoint's first file, not its last
 KINDS = ("sigkill", "sigstop", "exception", "node")
 
 

@@ -99,7 +99,10 @@ class Checkpointless:
         own_loop = self.loop if state is None else None  # frameworks keep their own loop
         if engine is not None:  # a DeepSpeed engine, taken apart into its entries
             (model, optimizer, scheduler), extra = ds_engine.entries(
-                engine, self.state, extra, given=(model, optimizer, scheduler))
+                engine, self.state, extra, given=(model, optimizer, scheduler),
+                saves=ds_engine.SaveHooks(lambda: self.gen, self.env.job_id, lambda **f: (
+                    self.log.emit(Event.TAGGED_CHECKPOINT, **f)), lambda s: self.faults.at(
+                    "save", s)))
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("scaler", scaler), ("loader", entry), ("_loop", own_loop),
                           *(extra or {}).items()):
@@ -224,8 +227,7 @@ class Checkpointless:
         self._finish()
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
-        """``for epoch in cl.epochs(N):`` from the restored epoch
-        (:mod:`recovery.runtime.epoch_loop`)."""
+        """``for epoch in cl.epochs(N):`` from the restored epoch (:mod:`.epoch_loop`)."""
         return self.loop.epochs(num_epochs)
 
     def steps(self, num_steps: int) -> Iterator[int]:
@@ -244,9 +246,8 @@ class Checkpointless:
         gradient_average.all_reduce_gradients(self, model)
 
     def _declare_data_parallel(self, model: torch.nn.Module | None = None) -> None:
-        """Watch for drift (:mod:`replication.replica_protocol.drift`) the state entries that are
-        data-parallel replicas: DDP modules, and ``model`` when given (the user
-        all-reduces its gradients)."""
+        """Watch for drift (:mod:`replication.replica_protocol.drift`) the data-parallel
+        state entries: DDP modules, and ``model`` when given (the user all-reduces it)."""
         for name, obj in self.state:
             if obj is model or isinstance(obj, torch.nn.parallel.DistributedDataParallel):
                 self._dp_entries.add(name)
@@ -268,9 +269,8 @@ class Checkpointless:
             raise FailureDetected(f"collective failed: {exc}") from exc
 
     def replaying(self, step: int) -> bool:
-        """Whether this process completed ``step`` before its last recovery: the step
-        runs again (bit-identical), and whatever the script printed for it the first
-        time it would print twice. A newcomer has no first time: False there."""
+        """Whether this process completed ``step`` before its last recovery: it runs again,
+        bit-identical, and what it printed would print twice (a newcomer: False)."""
         return step <= self._completed
 
     @property

@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 
 from replication.durable.format import (
+    LAYOUT_DCP,
     MANIFEST,
     CorruptCheckpoint,
     DurableError,
@@ -94,8 +95,17 @@ def inspect_step(
     storage_options: dict | None = None,
 ) -> CheckpointInfo:
     """Classify one step directory (one listing, one small read)."""
-    sdir = step_dir(root, step)
-    base = dict(url=display_url(fs, sdir), root=url_root or display_url(fs, root), step=step,
+    return inspect_dir(fs, step_dir(root, step), step, url_root or display_url(fs, root),
+                       storage_options)
+
+
+def inspect_dir(
+    fs: fsspec.AbstractFileSystem, sdir: str, step: int | None, url_root: str,
+    storage_options: dict | None = None,
+) -> CheckpointInfo:
+    """Classify one checkpoint directory: a ``step_<N>`` one (``step``), or one named by
+    a tag (``step=None``: its manifest says the step; :mod:`replication.durable.tagged`)."""
+    base = dict(url=display_url(fs, sdir), root=url_root, step=-1 if step is None else step,
                 storage_options=dict(storage_options or {}))
     try:
         found = fs.find(sdir, detail=True)
@@ -121,7 +131,9 @@ def inspect_step(
         return CheckpointInfo(status=INCOMPLETE, reason="manifest vanished", **base)
     except DurableError as exc:
         return CheckpointInfo(status=DAMAGED, reason=str(exc), **base)
-    if manifest.step != step:
+    if step is None:
+        base["step"] = manifest.step
+    elif manifest.step != step:
         return CheckpointInfo(status=DAMAGED, reason=f"manifest is for step {manifest.step}",
                               manifest=manifest, **base)
     for path, rec in sorted(manifest.files.items()):
@@ -245,10 +257,20 @@ def open_checkpoint(
         if not info.valid:
             raise DurableError(f"checkpoint {info.url} is {info.status}: {info.reason}")
         return info
+    if is_tagged(fs, path):  # a framework's own layout, committed with a manifest
+        info = inspect_dir(fs, path, None, display_url(fs, posixpath.dirname(path)), opts)
+        if not info.valid:
+            raise DurableError(f"checkpoint {info.url} is {info.status}: {info.reason}")
+        return info
     latest = latest_checkpoint(where, opts)
     if latest is None:
         raise DurableError(f"no valid checkpoint under {where}")
     return latest
+
+
+def is_tagged(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """``path`` is a checkpoint directory named by a tag: it holds a manifest itself."""
+    return parse_step(path) is None and fs.exists(posixpath.join(path, MANIFEST))
 
 
 @dataclass
@@ -295,9 +317,12 @@ def verify(
     if info is None:
         fs, path = resolve(ckpt, opts)  # type: ignore[arg-type]
         step = parse_step(path)
-        if step is None:
-            raise DurableError(f"{ckpt} is not a step_<N> checkpoint directory")
-        info = inspect_step(fs, posixpath.dirname(path), step, storage_options=opts)
+        if step is None and not is_tagged(fs, path):
+            raise DurableError(f"{ckpt} is not a checkpoint directory (step_<N>, or a "
+                               f"tagged one with a {MANIFEST})")
+        parent = posixpath.dirname(path)
+        info = (inspect_step(fs, parent, step, storage_options=opts) if step is not None
+                else inspect_dir(fs, path, None, display_url(fs, parent), opts))
     fs, sdir = resolve(info.url, opts)
     report = VerifyReport(info.url, info.step, ok=True)
     if info.manifest is None:
@@ -326,7 +351,7 @@ def verify(
             report.problems.append(f"{rel}: {size} bytes, manifest says {rec.size}")
         elif digest != rec.digest:
             report.problems.append(f"{rel}: checksum {digest} != manifest {rec.digest}")
-    if deep and not report.problems:
+    if deep and not report.problems and manifest.layout == LAYOUT_DCP:  # else: no segments
         from replication.durable.loader import read_segments
 
         for r in sorted(wanted):

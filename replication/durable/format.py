@@ -50,6 +50,7 @@ MANIFEST = "MANIFEST.json"
 SIDECAR = "snapshot.json"
 HISTORY = "checkpoint_history.csv"
 STEP_RE = re.compile(r"^step_(\d+)$")
+LAYOUT_DCP = "dcp"
 
 
 class DurableError(CheckpointlessError, RuntimeError):
@@ -182,6 +183,10 @@ class Manifest:
     run_id: str
     created_unix: float
     ranks: tuple[RankRecord, ...]
+    #: ``dcp``: the runtime's own step directories; ``deepspeed``: a framework's own files
+    #: under a tag it named (:mod:`replication.durable.tagged`), committed the same way.
+    layout: str = LAYOUT_DCP
+    tag: str = ""
 
     @property
     def files(self) -> dict[str, FileRecord]:
@@ -214,6 +219,7 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "identical_segments": self.identical_segments,
             "ranks": [r.to_json() for r in self.ranks],
+            **({"layout": self.layout, "tag": self.tag} if self.layout != LAYOUT_DCP else {}),
         }
 
     @staticmethod
@@ -229,6 +235,8 @@ class Manifest:
                 run_id=str(doc["run_id"]),
                 created_unix=_timestamp(doc["created_unix"]),
                 ranks=ranks,
+                layout=str(doc.get("layout", LAYOUT_DCP)),
+                tag=str(doc.get("tag", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpoint(f"{what} is malformed: {exc!r}"[:300]) from None
