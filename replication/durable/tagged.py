@@ -104,7 +104,7 @@ class TaggedSave:
     def write(self, rel: str, data: bytes | memoryview) -> FileRecord:
         path = posixpath.join(self.staging, rel)
         os.makedirs(posixpath.dirname(path), exist_ok=True)
-        rec = write_atomic(self.fs, path, bytes(data) if isinstance(data, memoryview) else data)
+        rec = write_atomic(self.fs, path, data)  # type: ignore[arg-type]  # a buffer: no copy
         self.files[rel] = FileRecord(rel, rec.size, rec.digest)
         return self.files[rel]
 
