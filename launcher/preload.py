@@ -65,10 +65,14 @@ class PreloadReport:
 def preload(names: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> PreloadReport:
     """Import each of ``names`` in this process that a probe found safe to fork after.
 
-    Names already imported are skipped. Never raises: whatever goes wrong leaves that
-    module to the worker."""
+    Names already imported are skipped. A name marked optional (``?name``: a module a
+    package imports lazily, which another version may not have) that does not import
+    is dropped without a word. Never raises: whatever goes wrong leaves that module to
+    the worker."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
+    optional = {n[1:] for n in names if n.startswith("?")}
+    names = [n.removeprefix("?") for n in names]
     remaining = [n for n in dict.fromkeys(names) if _needed(n)]
     loaded: list[str] = []
     left: dict[str, str] = {}
@@ -81,14 +85,11 @@ def preload(names: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> PreloadRepo
             left[remaining.pop(0)] = why
             continue
         for v in verdicts:
-            if not v.ok:
-                left[v.name] = v.why
-                continue
-            why = _import_here(v.name)
-            if why:
-                left[v.name] = why
-            else:
+            why = v.why if not v.ok else _import_here(v.name)
+            if not why:
                 loaded.append(v.name)
+            elif not (v.name in optional and why.startswith(FAILED)):
+                left[v.name] = why
         done = {v.name for v in verdicts}
         remaining = [n for n in remaining if n not in done]
     return PreloadReport(loaded, left, time.monotonic() - t0)
@@ -186,10 +187,13 @@ def _cuda_reason(hazard: str) -> str:
             else "loads the CUDA driver at import")
 
 
+FAILED = "failed to import"
+
+
 def _raised(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0][:160] if text else ""
-    return f"failed to import ({type(exc).__name__}{': ' + first if first else ''})"
+    return f"{FAILED} ({type(exc).__name__}{': ' + first if first else ''})"
 
 
 def _threads() -> int:

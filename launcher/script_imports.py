@@ -37,6 +37,18 @@ def _top_level_packages(body: list[ast.stmt]) -> set[str]:
     return {name.split(":")[0].split(".")[0] for name in _top_level_modules(body)}
 
 
+#: Modules a package imports lazily the first time a script uses it, which a replacement
+#: would otherwise import after the failure: the first ``torch.optim`` optimizer imports
+#: ``torch._dynamo`` (0.9 s here), and ``deepspeed.initialize`` its Muon optimizer's
+#: module, which imports the compiler stack (0.8 s more). A script that imports the
+#: package gets them preloaded too, marked :data:`OPTIONAL` (a version without them skips
+#: them quietly; :mod:`launcher.preload`).
+IMPLIED = {
+    "torch": ("torch._dynamo",),
+    "deepspeed": ("deepspeed.runtime.zero.muon.muon_optimizer",
+                  "deepspeed.module_inject.auto_ep_layer"),
+}
+OPTIONAL = "?"
 #: Packages of this project: a spare imports them already (``launcher.spare.WARM_MODULES``).
 OWN_PACKAGES = frozenset({"recovery", "replication", "launcher", "dataloader_cache"})
 #: How deep :func:`modules_to_preload` follows the script's local modules.
@@ -51,16 +63,19 @@ def modules_to_preload(script: str, module: bool, extra: tuple[str, ...] = (),
     themselves, since a local module may do the rank's own work), that is neither in
     the standard library nor of this project, and each name a ``from`` import takes of
     it (``module:name``: some packages load a name's module only when it is looked up);
-    then ``extra``. A name in ``deny``, or
-    under one, is left out; ``deny=("*",)`` leaves out everything. Whether each is safe
-    to import before a fork is the zygote's check (:mod:`launcher.preload`)."""
+    then ``extra``, then what those packages import lazily (:data:`IMPLIED`). A name in
+    ``deny``, or under one, is left out; ``deny=("*",)`` leaves out everything. Whether
+    each is safe to import before a fork is the zygote's check (:mod:`launcher.preload`)."""
     if "*" in deny:
         return []
     found: list[str] = []
     if not module:
         _collect(os.path.abspath(script), found, set(), LOCAL_DEPTH)
-    return [m for m in dict.fromkeys([*found, *extra])
-            if not any(m.split(":")[0] == d or m.startswith(d + ".") for d in deny)]
+    tops = dict.fromkeys(m.split(":")[0].split(".")[0] for m in [*found, *extra])
+    implied = [OPTIONAL + m for top in tops for m in IMPLIED.get(top, ())]
+    return [m for m in dict.fromkeys([*found, *extra, *implied])
+            if not any(m.lstrip(OPTIONAL).split(":")[0] == d
+                       or m.lstrip(OPTIONAL).startswith(d + ".") for d in deny)]
 
 
 def _collect(path: str, found: list[str], seen: set[str], depth: int) -> None:

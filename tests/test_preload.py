@@ -77,7 +77,8 @@ def test_the_scripts_imports_and_its_local_modules_imports_are_found(tmp_path) -
         """))
     found = modules_to_preload(str(script), module=False)
     assert found == ["torch.nn.functional", "numpy", "yaml", "mylib.models", "mylib.models:GPT",
-                     "transformers", "wandb", "tensorboard"]
+                     "transformers", "wandb", "tensorboard",
+                     "?torch._dynamo"]  # the first torch.optim optimizer imports it
     assert modules_to_preload(str(script), False, extra=("scipy",), deny=("torch", "mylib")) \
         == ["numpy", "yaml", "transformers", "wandb", "tensorboard", "scipy"]
     assert modules_to_preload(str(script), False, extra=("scipy",), deny=("*",)) == []
@@ -129,6 +130,24 @@ def test_only_imports_that_a_fork_survives_are_made_in_the_zygote(site) -> None:
     }, report
     assert report["hazard"] is None
     assert report["loaded_here"] == ["slow_ok", "also_ok", "json"]  # json: imported already
+
+
+def test_what_a_package_imports_lazily_is_preloaded_and_skipped_quietly_if_absent(
+        site, tmp_path) -> None:
+    """``deepspeed.initialize`` and the first torch optimizer import ``torch._dynamo`` and
+    DeepSpeed's compiler-backed modules: 1.7 s a replacement paid after the failure. A
+    script importing the package gets them preloaded; a name another version lacks is
+    dropped without a word (``?`` marks it optional), unlike a module the script names."""
+    _, env = site
+    (tmp_path / "train.py").write_text("import torch\nimport deepspeed\n")
+    names = modules_to_preload(str(tmp_path / "train.py"), module=False)
+    assert names == ["torch", "deepspeed", "?torch._dynamo",
+                     "?deepspeed.runtime.zero.muon.muon_optimizer",
+                     "?deepspeed.module_inject.auto_ep_layer"], names
+    report = _preload(env, ["torch", "?torch._dynamo", "?no_such.module", "no_such_either"])
+    assert report["preloaded"] == ["torch._dynamo"], report
+    assert list(report["left"]) == ["no_such_either"], report
+    assert report["loaded_here"] == ["torch"]
 
 
 def test_a_module_that_hangs_at_import_is_left_when_the_time_is_up(site) -> None:
